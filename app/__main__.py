@@ -1,0 +1,3 @@
+from app.main import main
+
+main()

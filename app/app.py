@@ -1,0 +1,81 @@
+"""The application factory: ``create_app(settings)`` wires the request path together."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from app.errors import error_body
+from app.metrics import GatewayMetrics
+from app.relay import RelayDeps
+from app.routes import router
+from app.settings import Settings
+from app.state import STATE_KEY, GatewayState
+from app.timing import Clock, default_clock
+from app.upstream import make_client
+from app.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    clock: Clock = default_clock,
+) -> FastAPI:
+    """Build a gateway app. ``transport`` replaces the network to the workers (tests)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, GatewayState]]:
+        metrics = GatewayMetrics(settings)
+        client = make_client(settings, transport)
+        pool = WorkerPool(settings, client, metrics, clock)
+        try:
+            await pool.start(first_wait=settings.connect_timeout_s)
+            log.info(
+                "gateway ready: %d worker(s) configured, %d up, models %s",
+                len(pool.workers), sum(w.up for w in pool.workers), sorted(pool.served_models()),
+            )  # fmt: skip
+            deps = RelayDeps(settings, client, pool, metrics)
+            yield {STATE_KEY: GatewayState(settings, client, pool, metrics, clock, deps)}
+        finally:
+            await pool.stop()
+            await client.aclose()
+
+    app = FastAPI(
+        title="Goodput Gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.include_router(router)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(
+        error_body(str(exc.detail), error_type, None, exc.status_code),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse(
+        error_body(str(exc.errors()), "invalid_request_error", None, "invalid_request"),
+        status_code=400,
+    )

@@ -1,0 +1,328 @@
+"""The relay: sends a request to its worker and passes the answer back, timing every event.
+
+A :class:`Relay` is the ASGI response of a generation request. It opens the worker request
+itself, so everything that can fail before the first byte reaches the client (worker down,
+worker 4xx/5xx, first-token timeout) is still answered with a proper status code. Once the
+first event was sent, a failure becomes an in-band ``data: {"error": ...}`` event and the
+stream closes without ``[DONE]``.
+
+Streams are relayed event by event as they arrive: no buffering, no merging, no splitting. A
+client that disconnects cancels the worker request at once (the worker sees its connection
+close and aborts the generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from app.errors import (
+    GatewayError,
+    UpstreamClientError,
+    UpstreamInvalidResponse,
+    UpstreamTimeout,
+    error_body,
+)
+from app.metrics import GatewayMetrics
+from app.protocol import ParsedRequest
+from app.settings import Settings
+from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
+from app.timing import RequestTimer
+from app.upstream import open_response
+from app.workers import Worker, WorkerPool
+
+log = logging.getLogger("app.access")
+
+CLIENT_CLOSED = 499  # nginx's convention: the client went away before the answer was complete
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@dataclass(slots=True)
+class RelayDeps:
+    """What every relay needs from the running app."""
+
+    settings: Settings
+    client: httpx.AsyncClient
+    pool: WorkerPool
+    metrics: GatewayMetrics
+
+
+class Relay(Response):
+    """The ASGI response that serves one generation request end to end."""
+
+    def __init__(
+        self,
+        deps: RelayDeps,
+        request: ParsedRequest,
+        worker: Worker,
+        timer: RequestTimer,
+        request_id: str,
+    ) -> None:
+        # Response.__init__ is not called: this response writes its own status and headers.
+        self.background = None
+        self._deps = deps
+        self._request = request
+        self._worker = worker
+        self._timer = timer
+        self._request_id = request_id
+        self._model_label = deps.pool.model_label(request.model)
+        self._status = 200
+        self._outcome = "ok"
+        self._started = False
+        self._tokens: tuple[int, int] | None = None
+        self._end: float | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve the request, cancelling the worker request if the client disconnects."""
+        deps = self._deps
+        worker = self._worker
+        worker.in_flight += 1
+        in_flight = deps.metrics.in_flight.labels(self._model_label)
+        in_flight.inc()
+        serve = self._stream if self._request.stream else self._unary
+        relay = asyncio.ensure_future(serve(send))
+        watcher = asyncio.ensure_future(_client_gone(receive))
+        try:
+            await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not relay.done():
+                self._client_closed()
+                relay.cancel()
+                await asyncio.wait((relay,))
+            if relay.cancelled():
+                pass
+            elif isinstance(relay.exception(), OSError):
+                # The client vanished while we were writing to it.
+                self._client_closed()
+            else:
+                relay.result()
+        finally:
+            relay.cancel()
+            watcher.cancel()
+            worker.in_flight -= 1
+            in_flight.dec()
+            self._finish()
+
+    def _client_closed(self) -> None:
+        self._status, self._outcome = CLIENT_CLOSED, "client_cancelled"
+
+    async def _stream(self, send: Send) -> None:
+        deps, timer, request = self._deps, self._timer, self._request
+        settings = deps.settings
+        loop = asyncio.get_running_loop()
+        clock = timer.clock
+        # Deadlines are on the loop's clock; the first one counts from arrival.
+        deadline_at = loop.time() + settings.first_token_timeout_s - (clock() - timer.arrival)
+        total_at = (
+            None
+            if settings.request_timeout_s is None
+            else loop.time() + settings.request_timeout_s - (clock() - timer.arrival)
+        )
+        idle = settings.idle_timeout_s
+        keep_usage = request.wants_usage
+        splitter = EventSplitter()
+        upstream: httpx.Response | None = None
+        done = False
+        try:
+            async with asyncio.timeout_at(_earliest(deadline_at, total_at)) as deadline:
+                timer.dispatch()
+                upstream = await self._open(request.upstream_body())
+                async for data in upstream.aiter_raw():
+                    received = clock()
+                    events = splitter.feed(data)
+                    if not events:
+                        continue
+                    out: list[bytes] = []
+                    for event in events:
+                        kind = classify(event)
+                        if kind is EventKind.OUTPUT:
+                            timer.output(received)
+                        elif kind is EventKind.USAGE:
+                            self._tokens = parse_usage(event) or self._tokens
+                            if not keep_usage:
+                                continue
+                        elif kind is EventKind.DONE:
+                            done = True
+                        elif kind is EventKind.ERROR:
+                            self._status, self._outcome = 502, "upstream_error"
+                        out.append(event)
+                    if out:
+                        if not self._started:
+                            await self._start(send, 200, _SSE_HEADERS)
+                        body = out[0] if len(out) == 1 else b"".join(out)
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if timer.output_events:
+                        deadline.reschedule(_earliest(loop.time() + idle, total_at))
+                    timer.add_overhead(clock() - received)
+            if not done:
+                raise UpstreamInvalidResponse(
+                    f"Worker {self._worker.label} closed the stream before [DONE]."
+                )
+        except TimeoutError as exc:
+            what = "the first token" if timer.output_events == 0 else "the next event"
+            await self._fail(
+                send,
+                UpstreamTimeout(f"Worker {self._worker.label} timed out waiting for {what}."),
+                exc,
+            )
+        except GatewayError as exc:
+            await self._fail(send, exc, exc.__cause__)
+        except httpx.TransportError as exc:
+            error = UpstreamInvalidResponse(
+                f"Worker {self._worker.label} broke off the stream: {type(exc).__name__}."
+            )
+            await self._fail(send, error, exc)
+        else:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if upstream is not None:
+                await upstream.aclose()
+
+    async def _unary(self, send: Send) -> None:
+        deps, timer = self._deps, self._timer
+        timeout = deps.settings.nonstream_timeout_s
+        if deps.settings.request_timeout_s is not None:
+            timeout = min(timeout, deps.settings.request_timeout_s)
+        upstream: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(timeout - (timer.clock() - timer.arrival)):
+                timer.dispatch()
+                upstream = await self._open(self._request.upstream_body())
+                raw = await upstream.aread()
+            self._end = timer.clock()
+            try:
+                payload: Any = json.loads(raw)
+            except ValueError as exc:
+                raise UpstreamInvalidResponse(
+                    f"Worker {self._worker.label} sent a response that is not JSON."
+                ) from exc
+            self._tokens = usage_counts(payload)
+            content_type = upstream.headers.get("content-type", "application/json").encode()
+            await self._start(send, upstream.status_code, [(b"content-type", content_type)])
+            await send({"type": "http.response.body", "body": raw, "more_body": False})
+        except TimeoutError as exc:
+            timeout_error = UpstreamTimeout(f"Worker {self._worker.label} did not answer in time.")
+            await self._fail(send, timeout_error, exc)
+        except GatewayError as exc:
+            await self._fail(send, exc, exc.__cause__)
+        except httpx.TransportError as exc:
+            error = UpstreamInvalidResponse(
+                f"Worker {self._worker.label} broke off the response: {type(exc).__name__}."
+            )
+            await self._fail(send, error, exc)
+        finally:
+            if upstream is not None:
+                await upstream.aclose()
+
+    async def _open(self, body: bytes) -> httpx.Response:
+        deps = self._deps
+        try:
+            return await open_response(
+                deps.client, self._worker, self._request.endpoint.path, body, self._request_id
+            )
+        except UpstreamClientError:
+            raise
+        except GatewayError as exc:
+            if exc.status_code == 503:
+                deps.pool.mark_down(self._worker)
+            raise
+
+    async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._started = True
+        self._status = status
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"x-request-id", self._request_id.encode())],
+            }
+        )
+
+    async def _fail(self, send: Send, error: GatewayError, cause: BaseException | None) -> None:
+        """Report ``error``: as the response if nothing was sent yet, else in-band."""
+        self._outcome = error.outcome
+        if not isinstance(error, UpstreamClientError):
+            log.warning(
+                "request %s to worker %s failed: %s (%s)",
+                self._request_id, self._worker.label, error.message, _describe(cause),
+            )  # fmt: skip
+        if not self._started:
+            body = error.to_json()
+            headers = [
+                (b"content-type", b"application/json"),
+                *((k.encode(), v.encode()) for k, v in error.headers().items()),
+            ]
+            await self._start(send, error.status_code, headers)
+            self._status = error.status_code
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        self._status = error.status_code
+        event = b"data: " + error.to_json() + b"\n\n"
+        # The stream ends without [DONE], so clients cannot mistake it for a complete answer.
+        await send({"type": "http.response.body", "body": event, "more_body": False})
+
+    def _finish(self) -> None:
+        deps = self._deps
+        summary = self._timer.summary(
+            None if self._tokens is None else self._tokens[1], end=self._end
+        )
+        model = self._model_label
+        endpoint = self._request.endpoint.value
+        deps.metrics.count(model, endpoint, self._status, self._outcome, self._tokens)
+        if self._outcome in ("ok", "client_cancelled"):
+            deps.metrics.observe(model, summary, self._request.stream)
+        if deps.settings.access_log:
+            log.info(
+                "%s %s model=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "
+                "tpot_ms=%s e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s",
+                self._request_id, endpoint, model, self._worker.label, self._status,
+                self._outcome, _ms(summary.queue_s), _ms(summary.ttft_s), _ms(summary.tpot_s),
+                _ms(summary.e2e_s), summary.output_events,
+                *(self._tokens if self._tokens is not None else (None, None)),
+            )  # fmt: skip
+
+
+def _earliest(a: float, b: float | None) -> float:
+    return a if b is None or a < b else b
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no cause"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Return when the client disconnects (the body was read already)."""
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def error_response(error: GatewayError) -> Response:
+    """A plain JSON response for an error raised before a relay starts."""
+    return Response(
+        content=error.to_json(),
+        status_code=error.status_code,
+        media_type="application/json",
+        headers=error.headers(),
+    )
+
+
+__all__ = ["CLIENT_CLOSED", "Relay", "RelayDeps", "error_body", "error_response"]

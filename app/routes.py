@@ -1,0 +1,94 @@
+"""HTTP routes: thin handlers that hand each request to the serving layer."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from app.body import read_body
+from app.errors import GatewayError
+from app.protocol import Endpoint, parse_request
+from app.relay import Relay, error_response
+from app.state import GatewayState, get_state
+from app.timing import RequestTimer
+
+router = APIRouter()
+State = Annotated[GatewayState, Depends(get_state)]
+
+# A client's request id is echoed only if it is short and plain, so logs stay clean.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request, state: State) -> Response:
+    """Relay a chat completion, streamed or not."""
+    return await _generate(request, state, Endpoint.CHAT)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request, state: State) -> Response:
+    """Relay a text completion, streamed or not."""
+    return await _generate(request, state, Endpoint.COMPLETIONS)
+
+
+async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
+    timer = RequestTimer(state.clock)
+    request_id = _request_id(request)
+    model = ""
+    try:
+        raw = await read_body(request, state.settings.max_body_bytes)
+        parsed = parse_request(endpoint, raw)
+        model = parsed.model
+        worker = state.pool.pick(model)
+    except GatewayError as exc:
+        state.metrics.count(
+            state.pool.model_label(model), endpoint.value, exc.status_code, exc.outcome, None
+        )
+        response = error_response(exc)
+        response.headers["x-request-id"] = request_id
+        return response
+    return Relay(state.relay_deps, parsed, worker, timer, request_id)
+
+
+@router.get("/v1/models")
+async def models(state: State) -> dict[str, Any]:
+    """The models the workers serve, with the cards they publish."""
+    return {"object": "list", "data": state.pool.model_cards()}
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", response_model=None)
+async def readyz(state: State) -> JSONResponse:
+    """Ready when at least one worker answered its last probe."""
+    workers = {worker.label: worker.up for worker in state.pool.workers}
+    ready = state.pool.ready()
+    return JSONResponse(
+        {"status": "ready" if ready else "no worker reachable", "workers": workers},
+        status_code=200 if ready else 503,
+    )
+
+
+@router.get("/metrics", response_model=None)
+async def metrics(state: State) -> PlainTextResponse:
+    """Prometheus exposition of the gateway's metrics."""
+    return PlainTextResponse(
+        generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given is not None and _REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex

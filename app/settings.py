@@ -1,0 +1,135 @@
+"""Gateway configuration, read from ``GATEWAY_*`` environment variables (or a ``.env`` file)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, HttpUrl, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# Fine between 5 ms and 1 s (where interactive TTFT and every ITL/TPOT live), then coarser out to
+# the long tail of batch work. Every default tier SLO threshold (0.1, 0.2, 1, 5, 60 s) is a bound,
+# so SLO attainment computed from the histogram is exact.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025, 0.03, 0.035, 0.04,
+    0.045, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5,
+    0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0,
+    60.0, 120.0,
+)  # fmt: skip
+E2E_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0,
+    15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)  # fmt: skip
+OVERHEAD_BUCKETS: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+
+
+class WorkerSpec(BaseModel):
+    """One vLLM worker: its base URL (without ``/v1``) and, optionally, what it serves."""
+
+    url: HttpUrl
+    name: str | None = Field(
+        default=None, description="Label used in metrics and logs; defaults to host:port."
+    )
+    models: list[str] = Field(
+        default_factory=list,
+        description="Models to route here before /v1/models has been read from the worker.",
+    )
+    api_key: str | None = Field(default=None, description="Bearer key the worker requires.")
+
+    @property
+    def base_url(self) -> str:
+        """The URL with no trailing slash."""
+        return str(self.url).rstrip("/")
+
+    @property
+    def label(self) -> str:
+        """A bounded, human-readable identifier for metrics and logs."""
+        if self.name:
+            return self.name
+        host = self.url.host or "worker"
+        return f"{host}:{self.url.port}" if self.url.port else host
+
+
+def _parse_workers(value: Any) -> Any:
+    """Accept a JSON list (of URLs or objects) or a comma-separated list of URLs."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        if text.startswith("["):
+            value = json.loads(text)
+        else:
+            value = [part.strip() for part in text.split(",") if part.strip()]
+    if isinstance(value, list):
+        return [{"url": item} if isinstance(item, str) else item for item in value]
+    return value
+
+
+class Settings(BaseSettings):
+    """Everything the gateway can be told; each field is ``GATEWAY_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_", env_file=".env", extra="ignore", frozen=True
+    )
+
+    host: str = Field(default="0.0.0.0", description="Address to listen on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
+    workers: Annotated[list[WorkerSpec], NoDecode] = Field(
+        default_factory=lambda: [WorkerSpec(url=HttpUrl("http://127.0.0.1:8100"))],
+        description="vLLM workers: comma-separated URLs, or a JSON list of "
+        '{"url", "name", "models", "api_key"} objects.',
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="Connecting to a worker.")
+    first_token_timeout_s: float = Field(
+        default=120.0, gt=0, description="Arrival to the first streamed output event."
+    )
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="Longest gap between two streamed events."
+    )
+    request_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Whole-request limit; none by default, so long generations are not cut.",
+    )
+    nonstream_timeout_s: float = Field(
+        default=600.0, gt=0, description="Waiting for a whole non-streamed response."
+    )
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
+    )
+    max_upstream_connections: int = Field(
+        default=2048, gt=0, description="Open connections to all workers at once."
+    )
+    discovery_interval_s: float = Field(
+        default=5.0, gt=0, description="How often each worker's /v1/models is re-read."
+    )
+    ttft_buckets: tuple[float, ...] = LATENCY_BUCKETS
+    itl_buckets: tuple[float, ...] = LATENCY_BUCKETS
+    tpot_buckets: tuple[float, ...] = LATENCY_BUCKETS
+    e2e_buckets: tuple[float, ...] = E2E_BUCKETS
+    queue_buckets: tuple[float, ...] = LATENCY_BUCKETS
+    access_log: bool = Field(default=True, description="One log line per finished request.")
+    log_level: str = Field(default="info", description="Python logging level.")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        return _parse_workers(value)
+
+    @field_validator("ttft_buckets", "itl_buckets", "tpot_buckets", "e2e_buckets", "queue_buckets")
+    @classmethod
+    def _buckets(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if not value or any(b <= 0 for b in value) or list(value) != sorted(set(value)):
+            raise ValueError("buckets must be positive, strictly increasing and non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _unique_worker_labels(self) -> Settings:
+        labels = [w.label for w in self.workers]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"worker names must be unique, got {labels}")
+        return self

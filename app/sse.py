@@ -1,0 +1,131 @@
+"""Server-sent events from a worker: cut the byte stream into whole events and classify them.
+
+This runs once per network read of every stream, so it scans bytes instead of parsing JSON:
+only the usage chunk (once per request) is decoded. The patterns below are safe on vLLM's JSON
+because generated text is JSON-escaped: a quote inside a string value is always ``\\"``, so
+``"content":"`` can only match a real key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import IntEnum
+from typing import Any
+
+# An event carries output when a text field is a non-empty string or tool calls start. The
+# role-only opening chunk (``"content":""``) and a bare finish chunk (``"delta":{}``) do not.
+_OUTPUT = re.compile(
+    rb'"(?:content|text|reasoning_content|reasoning)":\s*"[^"]|"tool_calls":\s*\[\s*\{'
+)
+_EMPTY_CHOICES = re.compile(rb'"choices":\s*\[\s*\]')
+_ERROR = re.compile(rb'^data:\s*\{\s*"error"|"object":\s*"error"')
+_DONE = re.compile(rb"^data:\s*\[DONE\]")
+
+
+class EventKind(IntEnum):
+    """What an SSE event means to the gateway."""
+
+    OTHER = 0
+    """Carries no output: the role-only opening chunk, a finish-only chunk, a comment."""
+    OUTPUT = 1
+    """Carries generated text or tool calls."""
+    USAGE = 2
+    """The usage-only chunk (``"choices":[]`` with ``usage``) sent before ``[DONE]``."""
+    DONE = 3
+    """``data: [DONE]``, the normal end of a stream."""
+    ERROR = 4
+    """An in-band error sent by the worker."""
+
+
+def classify(event: bytes) -> EventKind:
+    """Classify one whole event by scanning its bytes."""
+    if _OUTPUT.search(event) is not None:
+        return EventKind.OUTPUT
+    if _DONE.match(event) is not None:
+        return EventKind.DONE
+    if b'"usage"' in event and _EMPTY_CHOICES.search(event) is not None:
+        return EventKind.USAGE
+    if _ERROR.search(event) is not None:
+        return EventKind.ERROR
+    return EventKind.OTHER
+
+
+def event_data(event: bytes) -> bytes:
+    """The payload of an event's ``data:`` lines, joined by newlines as the SSE spec says."""
+    parts = []
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts)
+
+
+def parse_usage(event: bytes) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` from a usage chunk, or None if it has none."""
+    try:
+        payload: Any = json.loads(event_data(event))
+    except ValueError:
+        return None
+    return usage_counts(payload)
+
+
+def usage_counts(payload: Any) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` from a decoded response or chunk."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return prompt, completion
+
+
+class EventSplitter:
+    """Cuts a stream of network reads into whole events, never merging or splitting them.
+
+    ``feed`` returns the events completed by this read, each with its terminating blank line;
+    a partial event is held until the rest of it arrives. The terminator is ``\\n\\n``, or
+    ``\\r\\n\\r\\n`` when the stream's first line ends in CRLF.
+    """
+
+    __slots__ = ("_pending", "_sep")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._sep: bytes | None = None
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an event not yet terminated (what is left if the stream ends now)."""
+        return self._pending
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add one network read; return the events it completed, in order."""
+        buf = self._pending + data if self._pending else data
+        sep = self._sep
+        if sep is None:
+            newline = buf.find(b"\n")
+            if newline < 0:
+                self._pending = buf
+                return []
+            sep = self._sep = b"\r\n\r\n" if buf[newline - 1 : newline] == b"\r" else b"\n\n"
+        end = buf.find(sep)
+        if end < 0:
+            self._pending = buf
+            return []
+        cut = end + len(sep)
+        if cut == len(buf):  # the usual case: exactly one whole event in this read
+            self._pending = b""
+            return [buf]
+        events = []
+        start = 0
+        while end >= 0:
+            events.append(buf[start:cut])
+            start = cut
+            end = buf.find(sep, start)
+            cut = end + len(sep)
+        self._pending = buf[start:]
+        return events

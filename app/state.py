@@ -1,0 +1,37 @@
+"""The gateway's typed state, created by the lifespan and handed to every request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from starlette.requests import Request
+
+from app.metrics import GatewayMetrics
+from app.relay import RelayDeps
+from app.settings import Settings
+from app.timing import Clock
+from app.workers import WorkerPool
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayState:
+    """Everything a request handler may use; lives as long as the app's lifespan."""
+
+    settings: Settings
+    client: httpx.AsyncClient
+    pool: WorkerPool
+    metrics: GatewayMetrics
+    clock: Clock
+    relay_deps: RelayDeps
+
+
+STATE_KEY = "gateway"
+
+
+def get_state(request: Request) -> GatewayState:
+    """The state the lifespan yielded, typed (a FastAPI dependency)."""
+    state = request.state._state.get(STATE_KEY)
+    if not isinstance(state, GatewayState):
+        raise RuntimeError("the gateway's lifespan has not run")
+    return state

@@ -1,0 +1,63 @@
+"""Running the gateway under a real uvicorn server inside the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+import uvicorn
+
+from app.app import create_app
+from app.settings import Settings
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+) -> AsyncIterator[str]:
+    """Serve a gateway on a free port; yield its base URL; shut it down afterwards."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(settings, transport=transport),
+        host="127.0.0.1",
+        port=port,
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("gateway exited during start-up")
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+
+
+def settings_for(workers: str, **overrides: object) -> Settings:
+    """Gateway settings for tests: the given workers, quick probes, no access log."""
+    values: dict[str, object] = {
+        "workers": workers,
+        "access_log": False,
+        "discovery_interval_s": 0.5,
+        "connect_timeout_s": 2.0,
+    }
+    values.update(overrides)
+    return Settings.model_validate(values)

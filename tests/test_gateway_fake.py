@@ -1,0 +1,320 @@
+"""The gateway against scripted workers: input errors, worker failures, disconnects, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fake_upstream import DONE, MODEL, FakeWorker, chunk, tokens
+from tests.servers import running_gateway, settings_for
+
+WORKER = "http://fake-worker:8100"
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def _ok(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+    if body.get("stream"):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=tokens(4))
+    return httpx.Response(
+        200,
+        json={
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        },
+    )
+
+
+def _chat(stream: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            **extra}  # fmt: skip
+
+
+async def _events(response: httpx.Response) -> list[bytes]:
+    raw = b""
+    async for data in response.aiter_raw():
+        raw += data
+    return [e + b"\n\n" for e in raw.split(b"\n\n") if e]
+
+
+@pytest.fixture
+async def ok_gateway() -> AsyncIterator[tuple[str, FakeWorker]]:
+    worker = FakeWorker(_ok)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        yield url, worker
+
+
+async def test_stream_relays_every_event_and_hides_usage_unless_asked(
+    ok_gateway: tuple[str, FakeWorker],
+) -> None:
+    url, worker = ok_gateway
+    async with httpx.AsyncClient(base_url=url) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=_chat()) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["cache-control"] == "no-cache"
+            assert r.headers["x-accel-buffering"] == "no"
+            events = await _events(r)
+        # The gateway asked the worker for usage, but the client did not: it is not forwarded.
+        assert worker.requests[-1]["stream_options"] == {"include_usage": True}
+        assert events == [chunk(None, role=True)] + [
+            chunk(f" t{i}", finish="length" if i == 3 else None) for i in range(4)
+        ] + [DONE]
+        body = _chat(stream_options={"include_usage": True})
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = await _events(r)
+        assert b'"usage":{"prompt_tokens":3' in events[-2]
+        metrics = (await client.get("/metrics")).text
+    assert 'gateway_completion_tokens_total{model="fake-model"} 8.0' in metrics
+    assert (
+        'gateway_requests_total{endpoint="chat",model="fake-model",outcome="ok",'
+        'status_class="2xx"} 2.0' in metrics
+    )
+    assert 'gateway_time_to_first_token_seconds_count{model="fake-model"} 2.0' in metrics
+    assert 'gateway_inter_token_latency_seconds_count{model="fake-model"} 6.0' in metrics
+
+
+async def test_unknown_fields_pass_through_and_non_stream_works(
+    ok_gateway: tuple[str, FakeWorker],
+) -> None:
+    url, worker = ok_gateway
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.post(
+            "/v1/chat/completions", json=_chat(stream=False, ignore_eos=True, top_k=3)
+        )
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 4
+    assert worker.requests[-1]["ignore_eos"] is True
+    assert worker.requests[-1]["top_k"] == 3
+    assert "stream_options" not in worker.requests[-1]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (b"{not json", 400, "invalid_json", None),
+        (b'{"model": "fake-model", "messages": [{"content": "\xff\xfe"}]}', 400, "invalid_utf8",
+         None),
+        (b"[1, 2]", 400, "invalid_json", None),
+        (b'{"messages": []}', 400, "missing_required_parameter", "model"),
+        (b'{"model": 5, "messages": []}', 400, "invalid_type", "model"),
+        (b'{"model": "fake-model", "messages": "hi"}', 400, "invalid_type", "messages"),
+        (b'{"model": "fake-model", "messages": [], "stream": "yes"}', 400, "invalid_type",
+         "stream"),
+        (b'{"model": "fake-model", "messages": [], "max_tokens": "5"}', 400, "invalid_type",
+         "max_tokens"),
+        (b'{"model": "nope", "messages": []}', 404, "model_not_found", "model"),
+    ],
+)  # fmt: skip
+async def test_bad_input_gets_openai_shaped_errors(
+    ok_gateway: tuple[str, FakeWorker], body: bytes, status: int, code: str, param: str | None
+) -> None:
+    url, worker = ok_gateway
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.post("/v1/chat/completions", content=body)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+    assert worker.requests == []
+
+
+async def test_oversized_body_is_refused_without_reading_it() -> None:
+    worker = FakeWorker(_ok)
+    settings = settings_for(WORKER, max_body_bytes=1000)
+    async with running_gateway(settings, worker.transport) as url, httpx.AsyncClient() as client:
+        r = await client.post(f"{url}/v1/completions", content=b"x" * 5000)
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "request_too_large"
+
+        async def chunked() -> AsyncIterator[bytes]:
+            for _ in range(50):
+                yield b"y" * 100
+
+        r = await client.post(f"{url}/v1/completions", content=chunked())
+        assert r.status_code == 413
+        r = await client.get(f"{url}/v1/nothing")
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == 404
+
+
+async def test_worker_4xx_reaches_the_client_with_its_message() -> None:
+    async def refuse(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(
+            400,
+            json={"error": {"message": "max_tokens is too large", "type": "BadRequestError",
+                            "param": "max_tokens", "code": 400}},
+        )  # fmt: skip
+
+    worker = FakeWorker(refuse)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "max_tokens is too large"
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
+async def test_worker_500_before_first_byte_is_a_502() -> None:
+    async def fail(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(500, text="Internal Server Error")
+
+    worker = FakeWorker(fail)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/chat/completions", json=_chat())
+            metrics = (await client.get("/metrics")).text
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "upstream_status_error"
+    assert "Internal Server Error" in r.json()["error"]["message"]
+    assert 'outcome="upstream_error",status_class="5xx"} 1.0' in metrics
+
+
+async def test_worker_dying_mid_stream_gives_an_in_band_error_and_no_done() -> None:
+    async def die(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        async def events() -> AsyncIterator[bytes]:
+            yield chunk(None, role=True)
+            yield chunk(" a")
+            yield chunk(" b")[:20]  # half an event, then the connection drops
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=events())  # fmt: skip
+
+    worker = FakeWorker(die)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=_chat()) as r:
+                assert r.status_code == 200
+                events = await _events(r)
+            metrics = (await client.get("/metrics")).text
+    assert events[:2] == [chunk(None, role=True), chunk(" a")]
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_invalid_response"
+    assert DONE not in events
+    assert 'outcome="upstream_error"' in metrics
+
+
+async def test_stream_that_ends_without_done_is_an_error() -> None:
+    async def truncated(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        async def events() -> AsyncIterator[bytes]:
+            yield chunk(None, role=True)
+            yield chunk(" a")
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=events())  # fmt: skip
+
+    worker = FakeWorker(truncated)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=_chat()) as r:
+                events = await _events(r)
+    assert b'"error"' in events[-1]
+    assert DONE not in events
+
+
+async def test_hang_before_first_token_is_a_504_and_hang_mid_stream_an_in_band_timeout() -> None:
+    async def hang(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        async def events() -> AsyncIterator[bytes]:
+            if body["max_tokens"] == 0:
+                await asyncio.sleep(3600)
+            yield chunk(None, role=True)
+            yield chunk(" a")
+            await asyncio.sleep(3600)
+            yield DONE
+
+        return worker.sse(events())
+
+    worker = FakeWorker(hang)
+    settings = settings_for(WORKER, first_token_timeout_s=0.5, idle_timeout_s=0.3)
+    async with running_gateway(settings, worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/chat/completions", json=_chat(max_tokens=0))
+            assert r.status_code == 504
+            assert r.json()["error"]["code"] == "upstream_timeout"
+            assert "first token" in r.json()["error"]["message"]
+            await asyncio.wait_for(worker.cancelled.wait(), 1)
+            worker.cancelled.clear()
+            async with client.stream("POST", "/v1/chat/completions", json=_chat(max_tokens=5)) as r:
+                assert r.status_code == 200
+                events = await _events(r)
+            await asyncio.wait_for(worker.cancelled.wait(), 1)
+            metrics = (await client.get("/metrics")).text
+    assert events[1] == chunk(" a")
+    assert b'"upstream_timeout"' in events[-1]
+    assert 'outcome="timeout",status_class="5xx"} 2.0' in metrics
+
+
+async def test_unreachable_worker_is_a_503_and_not_ready() -> None:
+    from tests.servers import free_port
+
+    settings = settings_for(f"http://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
+    async with running_gateway(settings) as url, httpx.AsyncClient(base_url=url) as client:
+        r = await client.post("/v1/chat/completions", json=_chat())
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "no_worker_available"
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503
+        assert (await client.get("/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_cancels_the_worker_request(stream: bool) -> None:
+    started = asyncio.Event()
+
+    async def slow(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        if not body["stream"]:
+            started.set()
+            await asyncio.sleep(3600)
+
+        async def events() -> AsyncIterator[bytes]:
+            yield chunk(None, role=True)
+            for i in range(10_000):
+                started.set()
+                yield chunk(f" {i}")
+                await asyncio.sleep(0.01)
+
+        return worker.sse(events())
+
+    worker = FakeWorker(slow)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+
+            async def call() -> None:
+                async with client.stream(
+                    "POST", "/v1/chat/completions", json=_chat(stream=stream)
+                ) as r:
+                    async for _ in r.aiter_raw():
+                        pass
+
+            task = asyncio.create_task(call())
+            await asyncio.wait_for(started.wait(), 5)
+            await asyncio.sleep(0.1)
+            task.cancel()  # drops the connection
+            await asyncio.wait_for(worker.cancelled.wait(), 1.0)
+            await asyncio.sleep(0.05)
+            metrics = (await client.get("/metrics")).text
+    assert 'outcome="client_cancelled",status_class="4xx"} 1.0' in metrics
+    assert 'gateway_in_flight_requests{model="fake-model"} 0.0' in metrics
+
+
+async def test_models_lists_worker_cards_with_vllm_fields(
+    ok_gateway: tuple[str, FakeWorker],
+) -> None:
+    url, _ = ok_gateway
+    async with httpx.AsyncClient(base_url=url) as client:
+        models = (await client.get("/v1/models")).json()
+        ready = await client.get("/readyz")
+    assert models["object"] == "list"
+    assert models["data"][0]["root"] == MODEL
+    assert models["data"][0]["max_model_len"] == 1024
+    assert ready.status_code == 200

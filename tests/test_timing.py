@@ -1,0 +1,76 @@
+"""Timing definitions on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.timing import RequestTimer
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_streamed_request_timings() -> None:
+    clock = FakeClock()
+    timer = RequestTimer(clock)
+    clock.now += 0.002
+    timer.dispatch()
+    # Role chunk at +0.05 is not output; tokens at +0.1, +0.12, +0.15, +0.16.
+    for t in (0.1, 0.12, 0.15, 0.16):
+        timer.output(100.0 + t)
+    s = timer.summary(completion_tokens=4)
+    assert s.queue_s == pytest.approx(0.002)
+    assert s.ttft_s == pytest.approx(0.1)
+    assert s.e2e_s == pytest.approx(0.16)
+    assert s.tpot_s == pytest.approx(0.06 / 3)
+    assert s.itl_s == pytest.approx([0.02, 0.03, 0.01])
+    assert s.output_events == 4
+    assert s.overhead_s == pytest.approx(0.002)
+
+
+def test_events_carrying_several_tokens_share_their_gap() -> None:
+    clock = FakeClock()
+    timer = RequestTimer(clock)
+    for t in (0.1, 0.2, 0.3):  # three events, but the worker reports 5 tokens
+        timer.output(100.0 + t)
+    s = timer.summary(completion_tokens=5)
+    assert s.tpot_s == pytest.approx(0.2 / 4)
+    assert s.itl_s == pytest.approx([0.05, 0.05])
+    assert sum(s.itl_s) * 2 == pytest.approx(s.e2e_s - s.ttft_s)  # type: ignore[operator]
+
+
+def test_without_usage_each_event_is_one_token() -> None:
+    timer = RequestTimer(FakeClock())
+    timer.output(100.5)
+    timer.output(100.7)
+    s = timer.summary(completion_tokens=None)
+    assert s.tpot_s == pytest.approx(0.2)
+    assert s.itl_s == pytest.approx([0.2])
+
+
+def test_single_token_has_no_tpot_and_unary_ends_at_response() -> None:
+    timer = RequestTimer(FakeClock())
+    timer.output(100.3)
+    assert timer.summary(completion_tokens=1).tpot_s is None
+    unary = RequestTimer(FakeClock())
+    s = unary.summary(completion_tokens=10, end=101.25)
+    assert s.e2e_s == pytest.approx(1.25)
+    assert s.ttft_s is None
+    assert s.tpot_s is None
+
+
+def test_admission_wait_counts_as_queue_not_overhead() -> None:
+    clock = FakeClock()
+    timer = RequestTimer(clock)
+    timer.queued(0.5)
+    clock.now += 0.501
+    timer.dispatch()
+    timer.add_overhead(0.0002)
+    s = timer.summary(None)
+    assert s.queue_s == pytest.approx(0.501)
+    assert s.overhead_s == pytest.approx(0.0012)
