@@ -23,47 +23,48 @@ class GatewayMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
         by_model = ["model"]
+        by_tier = ["model", "tier"]
         self.requests = Counter(
             "gateway_requests",
             "Finished requests by model, endpoint, status class and outcome.",
-            ["model", "endpoint", "status_class", "outcome"],
+            ["model", "tier", "endpoint", "status_class", "outcome"],
             registry=reg,
         )
         self.prompt_tokens = Counter(
-            "gateway_prompt_tokens", "Prompt tokens, from the worker's usage.", by_model,
+            "gateway_prompt_tokens", "Prompt tokens, from the worker's usage.", by_tier,
             registry=reg,
         )  # fmt: skip
         self.completion_tokens = Counter(
-            "gateway_completion_tokens", "Completion tokens, from the worker's usage.", by_model,
+            "gateway_completion_tokens", "Completion tokens, from the worker's usage.", by_tier,
             registry=reg,
         )  # fmt: skip
         self.in_flight = Gauge(
-            "gateway_in_flight_requests", "Requests being served now.", by_model, registry=reg
+            "gateway_in_flight_requests", "Requests being served now.", by_tier, registry=reg
         )
         self.ttft = Histogram(
             "gateway_time_to_first_token_seconds",
             "Arrival to the first streamed event carrying output.",
-            by_model, buckets=settings.ttft_buckets, registry=reg,
+            by_tier, buckets=settings.ttft_buckets, registry=reg,
         )  # fmt: skip
         self.itl = Histogram(
             "gateway_inter_token_latency_seconds",
             "Gap between consecutive output events, per token they carry.",
-            by_model, buckets=settings.itl_buckets, registry=reg,
+            by_tier, buckets=settings.itl_buckets, registry=reg,
         )  # fmt: skip
         self.tpot = Histogram(
             "gateway_time_per_output_token_seconds",
             "(E2E - TTFT) / (completion tokens - 1), per streamed request.",
-            by_model, buckets=settings.tpot_buckets, registry=reg,
+            by_tier, buckets=settings.tpot_buckets, registry=reg,
         )  # fmt: skip
         self.e2e = Histogram(
             "gateway_e2e_request_latency_seconds",
             "Arrival to the last output event (streamed) or to the whole response.",
-            by_model, buckets=settings.e2e_buckets, registry=reg,
+            by_tier, buckets=settings.e2e_buckets, registry=reg,
         )  # fmt: skip
         self.queue = Histogram(
             "gateway_queue_time_seconds",
             "Arrival to dispatch to a worker.",
-            by_model, buckets=settings.queue_buckets, registry=reg,
+            by_tier, buckets=settings.queue_buckets, registry=reg,
         )  # fmt: skip
         self.overhead = Histogram(
             "gateway_overhead_seconds",
@@ -75,33 +76,34 @@ class GatewayMetrics:
             registry=reg,
         )  # fmt: skip
 
-    def observe(self, model: str, timing: TimingSummary, stream: bool) -> None:
+    def observe(self, model: str, tier: str, timing: TimingSummary, stream: bool) -> None:
         """Record a finished request's latencies; ``model`` must already be a bounded label."""
         if timing.queue_s is not None:
-            self.queue.labels(model).observe(timing.queue_s)
+            self.queue.labels(model, tier).observe(timing.queue_s)
         self.overhead.labels(model).observe(timing.overhead_s)
         if timing.e2e_s is not None:
-            self.e2e.labels(model).observe(timing.e2e_s)
+            self.e2e.labels(model, tier).observe(timing.e2e_s)
         if not stream:
             return
         if timing.ttft_s is not None:
-            self.ttft.labels(model).observe(timing.ttft_s)
+            self.ttft.labels(model, tier).observe(timing.ttft_s)
         if timing.tpot_s is not None:
-            self.tpot.labels(model).observe(timing.tpot_s)
-        itl = self.itl.labels(model)
+            self.tpot.labels(model, tier).observe(timing.tpot_s)
+        itl = self.itl.labels(model, tier)
         for gap in timing.itl_s:
             itl.observe(gap)
 
     def count(
         self,
         model: str,
+        tier: str,
         endpoint: str,
         status: int,
         outcome: str,
         tokens: tuple[int, int] | None,
     ) -> None:
         """Count a finished request and its tokens."""
-        self.requests.labels(model, endpoint, f"{status // 100}xx", outcome).inc()
+        self.requests.labels(model, tier, endpoint, f"{status // 100}xx", outcome).inc()
         if tokens is not None:
-            self.prompt_tokens.labels(model).inc(tokens[0])
-            self.completion_tokens.labels(model).inc(tokens[1])
+            self.prompt_tokens.labels(model, tier).inc(tokens[0])
+            self.completion_tokens.labels(model, tier).inc(tokens[1])

@@ -69,6 +69,7 @@ class Relay(Response):
         worker: Worker,
         timer: RequestTimer,
         request_id: str,
+        tier: str,
     ) -> None:
         # Response.__init__ is not called: this response writes its own status and headers.
         self.background = None
@@ -77,6 +78,7 @@ class Relay(Response):
         self._worker = worker
         self._timer = timer
         self._request_id = request_id
+        self._tier = tier
         self._model_label = deps.pool.model_label(request.model)
         self._status = 200
         self._outcome = "ok"
@@ -89,7 +91,7 @@ class Relay(Response):
         deps = self._deps
         worker = self._worker
         worker.in_flight += 1
-        in_flight = deps.metrics.in_flight.labels(self._model_label)
+        in_flight = deps.metrics.in_flight.labels(self._model_label, self._tier)
         in_flight.inc()
         serve = self._stream if self._request.stream else self._unary
         relay = asyncio.ensure_future(serve(send))
@@ -279,14 +281,14 @@ class Relay(Response):
         )
         model = self._model_label
         endpoint = self._request.endpoint.value
-        deps.metrics.count(model, endpoint, self._status, self._outcome, self._tokens)
+        deps.metrics.count(model, self._tier, endpoint, self._status, self._outcome, self._tokens)
         if self._outcome in ("ok", "client_cancelled"):
-            deps.metrics.observe(model, summary, self._request.stream)
+            deps.metrics.observe(model, self._tier, summary, self._request.stream)
         if deps.settings.access_log:
             log.info(
-                "%s %s model=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "
+                "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "
                 "tpot_ms=%s e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s",
-                self._request_id, endpoint, model, self._worker.label, self._status,
+                self._request_id, endpoint, model, self._tier, self._worker.label, self._status,
                 self._outcome, _ms(summary.queue_s), _ms(summary.ttft_s), _ms(summary.tpot_s),
                 _ms(summary.e2e_s), summary.output_events,
                 *(self._tokens if self._tokens is not None else (None, None)),

@@ -41,6 +41,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
     timer = RequestTimer(state.clock)
     request_id = _request_id(request)
     model = ""
+    tier = state.settings.default_tier
     try:
         raw = await read_body(request, state.settings.max_body_bytes)
         parsed = parse_request(endpoint, raw)
@@ -48,12 +49,12 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         worker = state.pool.pick(model)
     except GatewayError as exc:
         state.metrics.count(
-            state.pool.model_label(model), endpoint.value, exc.status_code, exc.outcome, None
+            state.pool.model_label(model), tier, endpoint.value, exc.status_code, exc.outcome, None
         )
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
         return response
-    return Relay(state.relay_deps, parsed, worker, timer, request_id)
+    return Relay(state.relay_deps, parsed, worker, timer, request_id, tier)
 
 
 @router.get("/v1/models")

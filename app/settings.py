@@ -112,6 +112,9 @@ class Settings(BaseSettings):
     tpot_buckets: tuple[float, ...] = LATENCY_BUCKETS
     e2e_buckets: tuple[float, ...] = E2E_BUCKETS
     queue_buckets: tuple[float, ...] = LATENCY_BUCKETS
+    default_tier: str = Field(
+        default="standard", description="Tier of requests that carry no API key."
+    )
     access_log: bool = Field(default=True, description="One log line per finished request.")
     log_level: str = Field(default="info", description="Python logging level.")
 

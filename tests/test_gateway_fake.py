@@ -71,13 +71,19 @@ async def test_stream_relays_every_event_and_hides_usage_unless_asked(
             events = await _events(r)
         assert b'"usage":{"prompt_tokens":3' in events[-2]
         metrics = (await client.get("/metrics")).text
-    assert 'gateway_completion_tokens_total{model="fake-model"} 8.0' in metrics
+    assert 'gateway_completion_tokens_total{model="fake-model",tier="standard"} 8.0' in metrics
     assert (
         'gateway_requests_total{endpoint="chat",model="fake-model",outcome="ok",'
-        'status_class="2xx"} 2.0' in metrics
+        'status_class="2xx",tier="standard"} 2.0' in metrics
     )
-    assert 'gateway_time_to_first_token_seconds_count{model="fake-model"} 2.0' in metrics
-    assert 'gateway_inter_token_latency_seconds_count{model="fake-model"} 6.0' in metrics
+    assert (
+        'gateway_time_to_first_token_seconds_count{model="fake-model",tier="standard"} 2.0'
+        in metrics
+    )
+    assert (
+        'gateway_inter_token_latency_seconds_count{model="fake-model",tier="standard"} 6.0'
+        in metrics
+    )
 
 
 async def test_unknown_fields_pass_through_and_non_stream_works(
@@ -176,7 +182,7 @@ async def test_worker_500_before_first_byte_is_a_502() -> None:
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_status_error"
     assert "Internal Server Error" in r.json()["error"]["message"]
-    assert 'outcome="upstream_error",status_class="5xx"} 1.0' in metrics
+    assert 'outcome="upstream_error",status_class="5xx",tier="standard"} 1.0' in metrics
 
 
 async def test_worker_dying_mid_stream_gives_an_in_band_error_and_no_done() -> None:
@@ -251,7 +257,7 @@ async def test_hang_before_first_token_is_a_504_and_hang_mid_stream_an_in_band_t
             metrics = (await client.get("/metrics")).text
     assert events[1] == chunk(" a")
     assert b'"upstream_timeout"' in events[-1]
-    assert 'outcome="timeout",status_class="5xx"} 2.0' in metrics
+    assert 'outcome="timeout",status_class="5xx",tier="standard"} 2.0' in metrics
 
 
 async def test_unreachable_worker_is_a_503_and_not_ready() -> None:
@@ -303,8 +309,8 @@ async def test_client_disconnect_cancels_the_worker_request(stream: bool) -> Non
             await asyncio.wait_for(worker.cancelled.wait(), 1.0)
             await asyncio.sleep(0.05)
             metrics = (await client.get("/metrics")).text
-    assert 'outcome="client_cancelled",status_class="4xx"} 1.0' in metrics
-    assert 'gateway_in_flight_requests{model="fake-model"} 0.0' in metrics
+    assert 'outcome="client_cancelled",status_class="4xx",tier="standard"} 1.0' in metrics
+    assert 'gateway_in_flight_requests{model="fake-model",tier="standard"} 0.0' in metrics
 
 
 async def test_models_lists_worker_cards_with_vllm_fields(

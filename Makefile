@@ -1,0 +1,48 @@
+# Goodput Gateway: `make run` starts a local stack, `make test` runs every check.
+# Both install what is missing (into .venv and .venv-worker inside this folder) first.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+GATEWAY_PORT ?= 8000
+WORKER_PORT ?= 8100
+
+.PHONY: help install worker run test lint typecheck unit bench clean
+
+help:
+	@echo "make run    - start a vLLM CPU worker and the gateway in front of it (port $(GATEWAY_PORT))"
+	@echo "make test   - lint, type-check and run the whole test suite against a real vLLM worker"
+	@echo "make bench  - gateway overhead benchmark (prints a table)"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+worker:
+	bash scripts/install_worker.sh
+
+run: install worker
+	$(BIN)/python -m scripts.run_stack --gateway-port $(GATEWAY_PORT) --worker-port $(WORKER_PORT)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+test: lint typecheck worker
+	$(BIN)/pytest
+
+unit: install
+	$(BIN)/pytest -m "not worker"
+
+bench: install
+	$(BIN)/python -m bench.overhead
+
+clean:
+	rm -rf $(VENV) .venv-worker .run .mypy_cache .ruff_cache .pytest_cache
