@@ -12,10 +12,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
 from app.metrics import GatewayMetrics
+from app.predictor import PromptSizer
 from app.relay import RelayDeps
 from app.routes import router
+from app.routing import Router
 from app.settings import Settings
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
@@ -30,22 +33,30 @@ def create_app(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     clock: Clock = default_clock,
+    resolver: Resolver | None = None,
 ) -> FastAPI:
-    """Build a gateway app. ``transport`` replaces the network to the workers (tests)."""
+    """Build a gateway app.
+
+    ``transport`` replaces the network to the workers and ``resolver`` the DNS (tests).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, GatewayState]]:
         metrics = GatewayMetrics(settings)
         client = make_client(settings, transport)
-        pool = WorkerPool(settings, client, metrics, clock)
+        pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
+        router = Router(settings, pool)
+        sizer = PromptSizer()
         try:
             await pool.start(first_wait=settings.connect_timeout_s)
             log.info(
-                "gateway ready: %d worker(s) configured, %d up, models %s",
-                len(pool.workers), sum(w.up for w in pool.workers), sorted(pool.served_models()),
+                "gateway ready: %d worker(s), %d healthy, models %s, routing %s",
+                len(pool.workers), sum(w.up for w in pool.workers.values()),
+                sorted(pool.served_models()), settings.routing,
             )  # fmt: skip
-            deps = RelayDeps(settings, client, pool, metrics)
-            yield {STATE_KEY: GatewayState(settings, client, pool, metrics, clock, deps)}
+            deps = RelayDeps(settings, client, pool, router, metrics, sizer)
+            state = GatewayState(settings, client, pool, metrics, clock, router, sizer, deps)
+            yield {STATE_KEY: state}
         finally:
             await pool.stop()
             await client.aclose()

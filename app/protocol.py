@@ -67,11 +67,15 @@ _MODELS: dict[Endpoint, type[_GenerationRequest]] = {
 class ParsedRequest:
     """A validated generation request: the client's JSON plus the fields the gateway uses."""
 
-    __slots__ = ("body", "endpoint", "model", "stream", "wants_usage")
+    __slots__ = ("body", "endpoint", "model", "size", "stream", "user", "wants_usage")
 
-    def __init__(self, endpoint: Endpoint, body: dict[str, Any], fields: _GenerationRequest):
+    def __init__(
+        self, endpoint: Endpoint, body: dict[str, Any], fields: _GenerationRequest, size: int
+    ):
         self.endpoint = endpoint
         self.body = body
+        self.size = size
+        self.user = fields.user
         self.model = fields.model
         self.stream = bool(fields.stream)
         opts = fields.stream_options
@@ -112,7 +116,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         fields = _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
-    return ParsedRequest(endpoint, body, fields)
+    return ParsedRequest(endpoint, body, fields, len(raw))
 
 
 def _validation_error(exc: ValidationError) -> InvalidRequest:

@@ -14,6 +14,7 @@ close and aborts the generation).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -31,12 +32,14 @@ from app.errors import (
     error_body,
 )
 from app.metrics import GatewayMetrics
+from app.predictor import PromptSizer
 from app.protocol import ParsedRequest
+from app.routing import Choice, Router
 from app.settings import Settings
 from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
 from app.timing import RequestTimer
 from app.upstream import open_response
-from app.workers import Worker, WorkerPool
+from app.workers import WorkerPool
 
 log = logging.getLogger("app.access")
 
@@ -56,7 +59,46 @@ class RelayDeps:
     settings: Settings
     client: httpx.AsyncClient
     pool: WorkerPool
+    router: Router
     metrics: GatewayMetrics
+    sizer: PromptSizer
+
+
+class _Attempt:
+    """One try of a request on one worker: keeps the worker's load accounting right."""
+
+    __slots__ = ("choice", "dispatched", "first", "own_tokens", "running", "worker")
+
+    def __init__(self, deps: RelayDeps, choice: Choice, own_tokens: float, now: float) -> None:
+        self.choice = choice
+        self.worker = worker = choice.worker
+        self.own_tokens = own_tokens
+        self.dispatched = now
+        self.first: float | None = None
+        self.running = float(worker.in_flight)
+        worker.in_flight += 1
+        worker.prefill_tokens_ahead += own_tokens
+        deps.metrics.worker_routed.labels(worker.label).inc()
+        deps.metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
+
+    def first_output(self, deps: RelayDeps, at: float) -> None:
+        """The worker produced its first output (or its whole answer): prefill is over."""
+        if self.first is not None:
+            return
+        self.first = at
+        worker = self.worker
+        worker.prefill_tokens_ahead -= self.own_tokens
+        deps.pool.report_success(worker)
+        worker.latency.observe_ttft(self.choice.prefill_work, at - self.dispatched)
+        deps.metrics.worker_ttft.labels(worker.label).observe(at - self.dispatched)
+
+    def release(self, deps: RelayDeps) -> None:
+        """The attempt is over, whatever its outcome."""
+        worker = self.worker
+        worker.in_flight -= 1
+        if self.first is None:
+            worker.prefill_tokens_ahead -= self.own_tokens
+        deps.metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
 
 
 class Relay(Response):
@@ -66,35 +108,36 @@ class Relay(Response):
         self,
         deps: RelayDeps,
         request: ParsedRequest,
-        worker: Worker,
+        choice: Choice,
         timer: RequestTimer,
         request_id: str,
         tier: str,
+        own_tokens: float,
+        affinity_key: str | None,
     ) -> None:
         # Response.__init__ is not called: this response writes its own status and headers.
         self.background = None
         self._deps = deps
         self._request = request
-        self._worker = worker
+        self._choice = choice
         self._timer = timer
         self._request_id = request_id
         self._tier = tier
+        self._own_tokens = own_tokens
+        self._affinity_key = affinity_key
         self._model_label = deps.pool.model_label(request.model)
         self._status = 200
         self._outcome = "ok"
         self._started = False
         self._tokens: tuple[int, int] | None = None
         self._end: float | None = None
+        self._attempt: _Attempt | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request, cancelling the worker request if the client disconnects."""
-        deps = self._deps
-        worker = self._worker
-        worker.in_flight += 1
-        in_flight = deps.metrics.in_flight.labels(self._model_label, self._tier)
+        in_flight = self._deps.metrics.in_flight.labels(self._model_label, self._tier)
         in_flight.inc()
-        serve = self._stream if self._request.stream else self._unary
-        relay = asyncio.ensure_future(serve(send))
+        relay = asyncio.ensure_future(self._serve(send))
         watcher = asyncio.ensure_future(_client_gone(receive))
         try:
             await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -112,20 +155,59 @@ class Relay(Response):
         finally:
             relay.cancel()
             watcher.cancel()
-            worker.in_flight -= 1
             in_flight.dec()
             self._finish()
 
     def _client_closed(self) -> None:
         self._status, self._outcome = CLIENT_CLOSED, "client_cancelled"
 
-    async def _stream(self, send: Send) -> None:
+    async def _serve(self, send: Send) -> None:
+        """Try workers until one answers; fail over only before the client got a byte."""
+        deps = self._deps
+        choice = self._choice
+        tried = {choice.worker.label}
+        once = self._stream_once if self._request.stream else self._unary_once
+        while True:
+            attempt = _Attempt(deps, choice, self._own_tokens, self._timer.clock())
+            self._attempt = attempt
+            try:
+                await once(send, attempt)
+                return
+            except UpstreamClientError as error:
+                await self._fail(send, error, None)
+                return
+            except GatewayError as error:
+                deps.pool.report_failure(attempt.worker, error.code or "error")
+                retry = None
+                if not self._started and len(tried) < deps.settings.max_attempts:
+                    retry = self._next_choice(frozenset(tried))
+                if retry is None:
+                    await self._fail(send, error, error.__cause__)
+                    return
+                log.warning(
+                    "request %s failing over from worker %s to %s: %s",
+                    self._request_id, attempt.worker.label, retry.worker.label, error.message,
+                )  # fmt: skip
+                deps.metrics.worker_failovers.labels(attempt.worker.label).inc()
+                choice = retry
+                tried.add(choice.worker.label)
+            finally:
+                attempt.release(deps)
+
+    def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
+        try:
+            return self._deps.router.choose(
+                self._request.model, self._own_tokens, self._affinity_key, exclude
+            )
+        except GatewayError:
+            return None
+
+    async def _stream_once(self, send: Send, attempt: _Attempt) -> None:
         deps, timer, request = self._deps, self._timer, self._request
         settings = deps.settings
         loop = asyncio.get_running_loop()
         clock = timer.clock
-        # Deadlines are on the loop's clock; the first one counts from arrival.
-        deadline_at = loop.time() + settings.first_token_timeout_s - (clock() - timer.arrival)
+        deadline_at = loop.time() + settings.first_token_timeout_s
         total_at = (
             None
             if settings.request_timeout_s is None
@@ -134,12 +216,17 @@ class Relay(Response):
         idle = settings.idle_timeout_s
         keep_usage = request.wants_usage
         splitter = EventSplitter()
+        worker = attempt.worker
         upstream: httpx.Response | None = None
         done = False
+        self._tokens = None
         try:
             async with asyncio.timeout_at(_earliest(deadline_at, total_at)) as deadline:
                 timer.dispatch()
-                upstream = await self._open(request.upstream_body())
+                upstream = await open_response(
+                    deps.client, worker, request.endpoint.path, self._upstream_body,
+                    self._request_id,
+                )  # fmt: skip
                 async for data in upstream.aiter_raw():
                     received = clock()
                     events = splitter.feed(data)
@@ -149,6 +236,8 @@ class Relay(Response):
                     for event in events:
                         kind = classify(event)
                         if kind is EventKind.OUTPUT:
+                            if not timer.output_events:
+                                attempt.first_output(deps, received)
                             timer.output(received)
                         elif kind is EventKind.USAGE:
                             self._tokens = parse_usage(event) or self._tokens
@@ -169,76 +258,62 @@ class Relay(Response):
                     timer.add_overhead(clock() - received)
             if not done:
                 raise UpstreamInvalidResponse(
-                    f"Worker {self._worker.label} closed the stream before [DONE]."
+                    f"Worker {worker.label} closed the stream before [DONE]."
                 )
         except TimeoutError as exc:
             what = "the first token" if timer.output_events == 0 else "the next event"
-            await self._fail(
-                send,
-                UpstreamTimeout(f"Worker {self._worker.label} timed out waiting for {what}."),
-                exc,
-            )
-        except GatewayError as exc:
-            await self._fail(send, exc, exc.__cause__)
+            raise UpstreamTimeout(f"Worker {worker.label} timed out waiting for {what}.") from exc
         except httpx.TransportError as exc:
-            error = UpstreamInvalidResponse(
-                f"Worker {self._worker.label} broke off the stream: {type(exc).__name__}."
-            )
-            await self._fail(send, error, exc)
-        else:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise UpstreamInvalidResponse(
+                f"Worker {worker.label} broke off the stream: {type(exc).__name__}."
+            ) from exc
         finally:
             if upstream is not None:
                 await upstream.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _unary(self, send: Send) -> None:
+    async def _unary_once(self, send: Send, attempt: _Attempt) -> None:
         deps, timer = self._deps, self._timer
+        worker = attempt.worker
         timeout = deps.settings.nonstream_timeout_s
         if deps.settings.request_timeout_s is not None:
-            timeout = min(timeout, deps.settings.request_timeout_s)
+            timeout = min(
+                timeout, deps.settings.request_timeout_s - (timer.clock() - timer.arrival)
+            )
         upstream: httpx.Response | None = None
         try:
-            async with asyncio.timeout(timeout - (timer.clock() - timer.arrival)):
+            async with asyncio.timeout(timeout):
                 timer.dispatch()
-                upstream = await self._open(self._request.upstream_body())
+                upstream = await open_response(
+                    deps.client, worker, self._request.endpoint.path, self._upstream_body,
+                    self._request_id,
+                )  # fmt: skip
                 raw = await upstream.aread()
-            self._end = timer.clock()
-            try:
-                payload: Any = json.loads(raw)
-            except ValueError as exc:
-                raise UpstreamInvalidResponse(
-                    f"Worker {self._worker.label} sent a response that is not JSON."
-                ) from exc
-            self._tokens = usage_counts(payload)
-            content_type = upstream.headers.get("content-type", "application/json").encode()
-            await self._start(send, upstream.status_code, [(b"content-type", content_type)])
-            await send({"type": "http.response.body", "body": raw, "more_body": False})
         except TimeoutError as exc:
-            timeout_error = UpstreamTimeout(f"Worker {self._worker.label} did not answer in time.")
-            await self._fail(send, timeout_error, exc)
-        except GatewayError as exc:
-            await self._fail(send, exc, exc.__cause__)
+            raise UpstreamTimeout(f"Worker {worker.label} did not answer in time.") from exc
         except httpx.TransportError as exc:
-            error = UpstreamInvalidResponse(
-                f"Worker {self._worker.label} broke off the response: {type(exc).__name__}."
-            )
-            await self._fail(send, error, exc)
+            raise UpstreamInvalidResponse(
+                f"Worker {worker.label} broke off the response: {type(exc).__name__}."
+            ) from exc
         finally:
             if upstream is not None:
                 await upstream.aclose()
-
-    async def _open(self, body: bytes) -> httpx.Response:
-        deps = self._deps
+        self._end = timer.clock()
         try:
-            return await open_response(
-                deps.client, self._worker, self._request.endpoint.path, body, self._request_id
-            )
-        except UpstreamClientError:
-            raise
-        except GatewayError as exc:
-            if exc.status_code == 503:
-                deps.pool.mark_down(self._worker)
-            raise
+            payload: Any = json.loads(raw)
+        except ValueError as exc:
+            raise UpstreamInvalidResponse(
+                f"Worker {worker.label} sent a response that is not JSON."
+            ) from exc
+        attempt.first_output(deps, self._end)
+        self._tokens = usage_counts(payload)
+        content_type = upstream.headers.get("content-type", "application/json").encode()
+        await self._start(send, upstream.status_code, [(b"content-type", content_type)])
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+    @functools.cached_property
+    def _upstream_body(self) -> bytes:
+        return self._request.upstream_body()
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True
@@ -254,10 +329,11 @@ class Relay(Response):
     async def _fail(self, send: Send, error: GatewayError, cause: BaseException | None) -> None:
         """Report ``error``: as the response if nothing was sent yet, else in-band."""
         self._outcome = error.outcome
+        worker = self._attempt.worker.label if self._attempt else "-"
         if not isinstance(error, UpstreamClientError):
             log.warning(
                 "request %s to worker %s failed: %s (%s)",
-                self._request_id, self._worker.label, error.message, _describe(cause),
+                self._request_id, worker, error.message, _describe(cause),
             )  # fmt: skip
         if not self._started:
             body = error.to_json()
@@ -276,22 +352,35 @@ class Relay(Response):
 
     def _finish(self) -> None:
         deps = self._deps
-        summary = self._timer.summary(
-            None if self._tokens is None else self._tokens[1], end=self._end
-        )
+        tokens = self._tokens
+        summary = self._timer.summary(None if tokens is None else tokens[1], end=self._end)
         model = self._model_label
         endpoint = self._request.endpoint.value
-        deps.metrics.count(model, self._tier, endpoint, self._status, self._outcome, self._tokens)
+        metrics = deps.metrics
+        metrics.count(model, self._tier, endpoint, self._status, self._outcome, tokens)
+        attempt = self._attempt
         if self._outcome in ("ok", "client_cancelled"):
-            deps.metrics.observe(model, self._tier, summary, self._request.stream)
+            metrics.observe(model, self._tier, summary, self._request.stream)
+            if attempt is not None:
+                label = attempt.worker.label
+                worker_itl = metrics.worker_itl.labels(label)
+                for gap in summary.itl_s:
+                    worker_itl.observe(gap)
+                if tokens is not None:
+                    metrics.worker_completion_tokens.labels(label).inc(tokens[1])
+                    deps.sizer.observe(model, self._request.size, tokens[0])
+                if self._outcome == "ok" and summary.tpot_s is not None:
+                    running = (attempt.running + attempt.worker.in_flight + 1) / 2
+                    attempt.worker.latency.observe_tpot(running, summary.tpot_s)
         if deps.settings.access_log:
             log.info(
                 "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "
                 "tpot_ms=%s e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s",
-                self._request_id, endpoint, model, self._tier, self._worker.label, self._status,
-                self._outcome, _ms(summary.queue_s), _ms(summary.ttft_s), _ms(summary.tpot_s),
+                self._request_id, endpoint, model, self._tier,
+                attempt.worker.label if attempt else "-", self._status, self._outcome,
+                _ms(summary.queue_s), _ms(summary.ttft_s), _ms(summary.tpot_s),
                 _ms(summary.e2e_s), summary.output_events,
-                *(self._tokens if self._tokens is not None else (None, None)),
+                *(tokens if tokens is not None else (None, None)),
             )  # fmt: skip
 
 

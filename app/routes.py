@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from app.body import read_body
 from app.errors import GatewayError
-from app.protocol import Endpoint, parse_request
+from app.protocol import Endpoint, ParsedRequest, parse_request
 from app.relay import Relay, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
@@ -46,7 +46,9 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         raw = await read_body(request, state.settings.max_body_bytes)
         parsed = parse_request(endpoint, raw)
         model = parsed.model
-        worker = state.pool.pick(model)
+        own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
+        affinity = _affinity_key(request, parsed, state.settings.affinity_header)
+        choice = state.router.choose(model, own_tokens, affinity)
     except GatewayError as exc:
         state.metrics.count(
             state.pool.model_label(model), tier, endpoint.value, exc.status_code, exc.outcome, None
@@ -54,7 +56,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
         return response
-    return Relay(state.relay_deps, parsed, worker, timer, request_id, tier)
+    return Relay(state.relay_deps, parsed, choice, timer, request_id, tier, own_tokens, affinity)
 
 
 @router.get("/v1/models")
@@ -72,7 +74,8 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", response_model=None)
 async def readyz(state: State) -> JSONResponse:
     """Ready when at least one worker answered its last probe."""
-    workers = {worker.label: worker.up for worker in state.pool.workers}
+    now = state.pool.now()
+    workers = {label: worker.healthy(now) for label, worker in state.pool.workers.items()}
     ready = state.pool.ready()
     return JSONResponse(
         {"status": "ready" if ready else "no worker reachable", "workers": workers},
@@ -83,9 +86,20 @@ async def readyz(state: State) -> JSONResponse:
 @router.get("/metrics", response_model=None)
 async def metrics(state: State) -> PlainTextResponse:
     """Prometheus exposition of the gateway's metrics."""
+    state.metrics.set_load_age(state.pool.now())
     return PlainTextResponse(
         generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
     )
+
+
+def _affinity_key(request: Request, parsed: ParsedRequest, header: str | None) -> str | None:
+    if header:
+        value = request.headers.get(header)
+        if value:
+            return value
+        if parsed.user:
+            return parsed.user
+    return None
 
 
 def _request_id(request: Request) -> str:

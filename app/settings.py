@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, HttpUrl, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -79,9 +79,47 @@ class Settings(BaseSettings):
     host: str = Field(default="0.0.0.0", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
     workers: Annotated[list[WorkerSpec], NoDecode] = Field(
-        default_factory=lambda: [WorkerSpec(url=HttpUrl("http://127.0.0.1:8100"))],
+        default_factory=list,
         description="vLLM workers: comma-separated URLs, or a JSON list of "
         '{"url", "name", "models", "api_key"} objects.',
+    )
+    worker_dns: str | None = Field(
+        default=None,
+        description="host:port of a headless Service; every address it resolves to is a worker.",
+    )
+    routing: Literal["predicted_ttft", "least_outstanding", "round_robin"] = Field(
+        default="predicted_ttft", description="How a worker is chosen among the healthy ones."
+    )
+    affinity_header: str | None = Field(
+        default="x-session-id",
+        description="Header whose value pins a session to a worker (prefix-cache reuse); the "
+        "body's `user` field is used when the header is absent. Empty disables affinity.",
+    )
+    affinity_slack_s: float = Field(
+        default=0.25,
+        ge=0,
+        description="Keep the pinned worker unless its predicted TTFT is this much worse.",
+    )
+    load_interval_s: float = Field(
+        default=0.5, gt=0, description="How often each worker's /metrics is scraped."
+    )
+    load_max_age_s: float = Field(
+        default=2.0, gt=0, description="Older load signals count as busy, not idle."
+    )
+    probe_interval_s: float = Field(
+        default=1.0, gt=0, description="How often each worker's /health is probed."
+    )
+    eject_after_failures: int = Field(
+        default=3, ge=1, description="Consecutive failures before a worker is ejected."
+    )
+    eject_base_s: float = Field(
+        default=1.0, gt=0, description="First ejection's length; doubles on each repeat."
+    )
+    eject_max_s: float = Field(default=30.0, gt=0, description="Longest ejection.")
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Workers tried for one request before the first byte reaches the client.",
     )
     connect_timeout_s: float = Field(default=5.0, gt=0, description="Connecting to a worker.")
     first_token_timeout_s: float = Field(
@@ -132,6 +170,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _unique_worker_labels(self) -> Settings:
+        if not self.workers and not self.worker_dns:
+            raise ValueError("no workers: set GATEWAY_WORKERS or GATEWAY_WORKER_DNS")
         labels = [w.label for w in self.workers]
         if len(set(labels)) != len(labels):
             raise ValueError(f"worker names must be unique, got {labels}")

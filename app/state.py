@@ -8,7 +8,9 @@ import httpx
 from starlette.requests import Request
 
 from app.metrics import GatewayMetrics
+from app.predictor import PromptSizer
 from app.relay import RelayDeps
+from app.routing import Router
 from app.settings import Settings
 from app.timing import Clock
 from app.workers import WorkerPool
@@ -23,6 +25,8 @@ class GatewayState:
     pool: WorkerPool
     metrics: GatewayMetrics
     clock: Clock
+    router: Router
+    sizer: PromptSizer
     relay_deps: RelayDeps
 
 

@@ -1,21 +1,29 @@
-"""The workers the gateway knows: what each serves, whether it answers, how busy it is.
+"""The worker pool: who the workers are, whether they are healthy, how loaded they are.
 
-Each worker's ``/v1/models`` is read at start and every ``discovery_interval_s``; its model cards
-are kept as the worker sent them (vLLM's ``root`` and ``max_model_len`` included), because
-benchmark clients read them from the gateway's ``/v1/models``.
+Background tasks keep it current: discovery (static list + DNS, and each worker's
+``/v1/models``), an active ``/health`` probe, and a ``/metrics`` scrape for load. Requests
+report their outcome back (passive health): consecutive failures eject a worker for a backoff
+that doubles on repeat; a worker that answers its probe after the backoff returns.
+
+Model cards are kept as the worker sent them (vLLM's ``root`` and ``max_model_len`` included),
+because benchmark clients read them from the gateway's ``/v1/models``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 
-from app.errors import ModelNotFound, UpstreamUnavailable
+from app.discovery import Resolver, discover
+from app.loadsignals import LoadSample, parse_load
 from app.metrics import OTHER_MODEL, GatewayMetrics
+from app.predictor import LatencyModel, WorkerLoad
 from app.settings import Settings, WorkerSpec
 from app.timing import Clock
 
@@ -23,31 +31,58 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    """One vLLM worker and what the gateway has learnt about it."""
-
-    __slots__ = ("cards", "in_flight", "last_seen", "models", "spec", "up")
+    """One vLLM worker and what the gateway knows about it."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
+        self.label = spec.label
         self.models: set[str] = set(spec.models)
         self.cards: dict[str, dict[str, Any]] = {}
         self.up = False
         self.last_seen: float | None = None
+        self.draining = False
         self.in_flight = 0
-
-    @property
-    def label(self) -> str:
-        """The worker's bounded metrics label."""
-        return self.spec.label
+        self.prefill_tokens_ahead = 0.0
+        self.failures = 0
+        self.ejections = 0
+        self.ejected_until: float | None = None
+        self.last_ejected: float | None = None
+        self.load: LoadSample | None = None
+        self.latency = LatencyModel()
+        self._busy: set[str] = set()
 
     @property
     def discovered(self) -> bool:
         """Whether ``/v1/models`` has been read from this worker at least once."""
         return bool(self.cards)
 
+    def ejected(self, now: float) -> bool:
+        """Whether passive health has taken the worker out of rotation at ``now``."""
+        return self.ejected_until is not None and now < self.ejected_until
+
+    def healthy(self, now: float) -> bool:
+        """Whether new requests may go to this worker."""
+        return self.up and not self.draining and not self.ejected(now)
+
+    def current_load(self, now: float, max_age: float) -> tuple[WorkerLoad, bool]:
+        """The load a request would meet here, and whether the worker's own figures are fresh.
+
+        The gateway's own counts are exact for its traffic; the worker's scraped figures also
+        cover other gateway replicas. The larger of the two is taken.
+        """
+        sample = self.load
+        fresh = sample is not None and now - sample.at <= max_age
+        running = float(self.in_flight)
+        ahead = self.prefill_tokens_ahead
+        waiting = 0.0
+        if sample is not None and fresh:
+            running = max(running, sample.running)
+            waiting = sample.waiting
+        return WorkerLoad(ahead, running, waiting), fresh
+
 
 class WorkerPool:
-    """All configured workers, kept up to date by a background discovery task."""
+    """All workers, kept current by background tasks, with passive health from requests."""
 
     def __init__(
         self,
@@ -55,22 +90,66 @@ class WorkerPool:
         client: httpx.AsyncClient,
         metrics: GatewayMetrics,
         clock: Clock,
+        resolver: Resolver,
     ) -> None:
-        self.workers = [Worker(spec) for spec in settings.workers]
+        self.settings = settings
+        self.workers: dict[str, Worker] = {}
         self._client = client
         self._metrics = metrics
         self._clock = clock
-        self._interval = settings.discovery_interval_s
-        self._probe_timeout = settings.connect_timeout_s
-        self._task: asyncio.Task[None] | None = None
+        self._resolver = resolver
+        self._tasks: list[asyncio.Task[None]] = []
+        for spec in settings.workers:
+            self._add(spec)
+
+    # Membership ---------------------------------------------------------------------------
+
+    def _add(self, spec: WorkerSpec) -> Worker:
+        worker = Worker(spec)
+        self.workers[worker.label] = worker
+        self._metrics.worker_up.labels(worker.label).set(0)
+        self._metrics.worker_ejected.labels(worker.label).set(0)
+        log.info("worker %s added (%s)", worker.label, spec.base_url)
+        return worker
+
+    def _remove_drained(self) -> None:
+        for label in [w.label for w in self.workers.values() if w.draining and not w.in_flight]:
+            del self.workers[label]
+            self._metrics.forget_worker(label)
+            log.info("worker %s removed", label)
+
+    async def rediscover(self) -> None:
+        """Apply the current worker list: add new ones, drain the ones that left."""
+        try:
+            specs = await discover(self.settings, self._resolver)
+        except OSError as exc:
+            log.warning("worker discovery failed, keeping the current workers: %s", exc)
+            return
+        current = {spec.label: spec for spec in specs}
+        for label, spec in current.items():
+            worker = self.workers.get(label)
+            if worker is None:
+                self._add(spec)
+            elif worker.draining:
+                worker.draining = False
+                log.info("worker %s is back in discovery", label)
+        for label, worker in self.workers.items():
+            if label not in current and not worker.draining:
+                worker.draining = True
+                log.info(
+                    "worker %s left discovery: draining %d request(s)", label, worker.in_flight
+                )
+        self._remove_drained()
+
+    # Queries ------------------------------------------------------------------------------
 
     def served_models(self) -> set[str]:
         """Every model some worker serves (or is configured to serve)."""
-        return {model for worker in self.workers for model in worker.models}
+        return {model for worker in self.workers.values() for model in worker.models}
 
     def model_label(self, model: str) -> str:
         """``model`` if a worker serves it, else ``other``: keeps the label's values bounded."""
-        for worker in self.workers:
+        for worker in self.workers.values():
             if model in worker.models:
                 return model
         return OTHER_MODEL
@@ -78,7 +157,7 @@ class WorkerPool:
     def model_cards(self) -> list[dict[str, Any]]:
         """The union of the workers' model cards, one per model id."""
         cards: dict[str, dict[str, Any]] = {}
-        for worker in self.workers:
+        for worker in self.workers.values():
             for model_id, card in worker.cards.items():
                 cards.setdefault(model_id, card)
             for model_id in worker.models:
@@ -86,96 +165,180 @@ class WorkerPool:
         return sorted(cards.values(), key=lambda card: str(card.get("id")))
 
     def ready(self) -> bool:
-        """Whether any worker answered its last probe."""
-        return any(worker.up for worker in self.workers)
+        """Whether any worker is healthy."""
+        now = self._clock()
+        return any(worker.healthy(now) for worker in self.workers.values())
 
-    def pick(self, model: str) -> Worker:
-        """The least busy reachable worker serving ``model``.
+    def now(self) -> float:
+        """The pool's clock."""
+        return self._clock()
 
-        Raises :class:`ModelNotFound` when no worker serves it, and :class:`UpstreamUnavailable`
-        when those that do (or those whose models are still unknown) cannot be reached.
-        """
-        best: Worker | None = None
-        serving = False
-        for worker in self.workers:
-            if model not in worker.models:
-                continue
-            serving = True
-            if worker.up and (best is None or worker.in_flight < best.in_flight):
-                best = worker
-        if best is not None:
-            return best
-        if serving or any(not worker.discovered for worker in self.workers):
-            raise UpstreamUnavailable(f"No worker serving model '{model}' is reachable right now.")
-        raise ModelNotFound(
-            f"The model '{model}' does not exist.", param="model", code="model_not_found"
+    # Passive health -----------------------------------------------------------------------
+
+    def report_success(self, worker: Worker) -> None:
+        """A request got its first byte from ``worker``."""
+        worker.failures = 0
+        now = self._clock()
+        if (
+            worker.last_ejected is not None
+            and now - worker.last_ejected > self.settings.eject_max_s
+        ):
+            worker.ejections = 0
+
+    def report_failure(self, worker: Worker, reason: str) -> None:
+        """A request failed on ``worker`` before its first byte (connect, 5xx, timeout)."""
+        worker.failures += 1
+        if worker.failures < self.settings.eject_after_failures:
+            return
+        now = self._clock()
+        worker.failures = 0
+        worker.ejections += 1
+        backoff = min(
+            self.settings.eject_max_s, self.settings.eject_base_s * 2 ** (worker.ejections - 1)
         )
-
-    def mark_down(self, worker: Worker) -> None:
-        """Record that a request could not reach ``worker``; discovery brings it back."""
-        worker.up = False
+        worker.ejected_until = now + backoff
+        worker.last_ejected = now
+        self._metrics.worker_ejections.labels(worker.label).inc()
+        self._metrics.worker_ejected.labels(worker.label).set(1)
         self._metrics.worker_up.labels(worker.label).set(0)
+        log.warning("worker %s ejected for %.1f s after repeated %s", worker.label, backoff, reason)
 
-    async def refresh(self) -> None:
-        """Read every worker's ``/v1/models`` once, concurrently."""
-        await asyncio.gather(*(self._probe(worker) for worker in self.workers))
+    # Probes -------------------------------------------------------------------------------
 
-    async def _probe(self, worker: Worker) -> None:
-        headers = _auth_headers(worker.spec)
+    async def _get(self, worker: Worker, path: str, limit_s: float) -> httpx.Response:
+        spec = worker.spec
+        headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        response = await self._client.get(
+            f"{spec.base_url}{path}", headers=headers, timeout=limit_s
+        )
+        response.raise_for_status()
+        return response
+
+    async def _once(self, worker: Worker, what: str, probe: Callable[[], Awaitable[None]]) -> None:
+        # A slow worker must not pile up probes of the same kind.
+        if what in worker._busy:
+            return
+        worker._busy.add(what)
         try:
-            response = await self._client.get(
-                f"{worker.spec.base_url}/v1/models", headers=headers, timeout=self._probe_timeout
-            )
-            response.raise_for_status()
+            await probe()
+        finally:
+            worker._busy.discard(what)
+
+    async def probe_models(self, worker: Worker) -> None:
+        """Read ``/v1/models`` from ``worker``."""
+        try:
+            response = await self._get(worker, "/v1/models", self.settings.connect_timeout_s)
             payload = response.json()
             cards = {str(card["id"]): card for card in payload["data"] if isinstance(card, dict)}
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            if worker.up or worker.last_seen is None:
-                log.warning("worker %s is not answering: %s", worker.label, _describe(exc))
-            worker.up = False
+            self._set_up(worker, False, exc)
+            return
+        worker.cards = cards
+        worker.models = set(cards) | set(worker.spec.models)
+        self._set_up(worker, True, None)
+
+    async def probe_health(self, worker: Worker) -> None:
+        """Probe ``/health``; a worker whose models are unknown also gets ``/v1/models`` read."""
+        if not worker.discovered:
+            await self.probe_models(worker)
+            return
+        try:
+            await self._get(worker, "/health", self.settings.connect_timeout_s)
+        except httpx.HTTPError as exc:
+            self._set_up(worker, False, exc)
         else:
-            if not worker.up:
-                log.info("worker %s is up, serving %s", worker.label, sorted(cards))
-            worker.cards = cards
-            worker.models = set(cards) | set(worker.spec.models)
-            worker.up = True
-            worker.last_seen = self._clock()
-        self._metrics.worker_up.labels(worker.label).set(1 if worker.up else 0)
+            self._set_up(worker, True, None)
+
+    async def scrape_load(self, worker: Worker) -> None:
+        """Read the worker's load from its ``/metrics``."""
+        timeout = max(self.settings.load_interval_s, 0.25)
+        try:
+            response = await self._get(worker, "/metrics", timeout)
+            sample = parse_load(response.text, self._clock())
+        except (httpx.HTTPError, ValueError):
+            return  # the sample ages and counts as busy; health is the probe's business
+        worker.load = sample
+        self._metrics.record_load(worker.label, sample)
+
+    def _set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:
+        if up and not worker.up:
+            log.info("worker %s is up, serving %s", worker.label, sorted(worker.models))
+        elif not up and (worker.up or worker.last_seen is None):
+            log.warning("worker %s is not answering: %s", worker.label, _describe(error))
+        worker.up = up
+        now = self._clock()
+        if up:
+            worker.last_seen = now
+        ejected = worker.ejected(now)
+        self._metrics.worker_up.labels(worker.label).set(1 if up and not ejected else 0)
+        self._metrics.worker_ejected.labels(worker.label).set(1 if ejected else 0)
+
+    async def refresh(self) -> None:
+        """Run discovery and read every worker's ``/v1/models`` once."""
+        await self.rediscover()
+        await asyncio.gather(*(self.probe_models(w) for w in list(self.workers.values())))
+
+    async def _each(self, what: str, probe: Callable[[Worker], Awaitable[None]]) -> None:
+        await asyncio.gather(
+            *(self._once(w, what, functools.partial(probe, w)) for w in list(self.workers.values()))
+        )
+
+    async def _probe_all(self) -> None:
+        await self._each("health", self.probe_health)
+
+    async def _scrape_all(self) -> None:
+        await self._each("load", self.scrape_load)
 
     async def start(self, first_wait: float) -> None:
-        """Probe every worker (waiting at most ``first_wait``), then keep probing in background."""
+        """Discover and probe every worker (waiting at most ``first_wait``), then keep going."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.refresh()), first_wait)
-        self._task = asyncio.create_task(self._loop(), name="worker-discovery")
+        s = self.settings
+        self._tasks = [
+            asyncio.create_task(
+                self._every(s.discovery_interval_s, self.refresh), name="discovery"
+            ),
+            asyncio.create_task(
+                self._every(s.probe_interval_s, lambda: self._each("health", self.probe_health)),
+                name="health-probe",
+            ),
+            asyncio.create_task(
+                self._every(s.load_interval_s, lambda: self._each("load", self.scrape_load)),
+                name="load-scrape",
+            ),
+        ]
 
-    async def _loop(self) -> None:
+    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
         while True:
-            # A worker that is down is probed every second so it returns quickly once it is up.
-            down = not all(worker.up for worker in self.workers)
-            await asyncio.sleep(min(self._interval, 1.0) if down else self._interval)
-            await self.refresh()
+            await asyncio.sleep(interval)
+            try:
+                await job()
+            except Exception:  # a background job must survive anything one round throws
+                log.exception("background job failed; retrying next round")
 
     async def stop(self) -> None:
-        """Stop the background discovery."""
-        if self._task is not None:
-            self._task.cancel()
+        """Stop the background tasks."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-
-def _auth_headers(spec: WorkerSpec) -> dict[str, str]:
-    return {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+                await task
+        self._tasks = []
 
 
 def worker_headers(spec: WorkerSpec, request_id: str) -> dict[str, str]:
     """Headers for a request to ``spec``: its key (never the client's) and the request id."""
-    headers = _auth_headers(spec)
-    headers["x-request-id"] = request_id
-    headers["content-type"] = "application/json"
-    headers["accept-encoding"] = "identity"
+    headers = {
+        "x-request-id": request_id,
+        "content-type": "application/json",
+        "accept-encoding": "identity",
+    }
+    if spec.api_key:
+        headers["authorization"] = f"Bearer {spec.api_key}"
     return headers
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
