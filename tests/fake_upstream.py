@@ -57,12 +57,27 @@ class FakeWorker:
         self.handler = handler
         self.requests: list[dict[str, Any]] = []
         self.cancelled = asyncio.Event()
-        self.transport = httpx.MockTransport(self._handle)
+        self.healthy = True
+        self.running = 0
+        self.transport = httpx.MockTransport(self.handle)
 
-    async def _handle(self, request: httpx.Request) -> httpx.Response:
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        """Answer one request as a vLLM worker would."""
+        if not self.healthy:
+            raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/v1/models":
             card = {"id": MODEL, "object": "model", "root": MODEL, "max_model_len": 1024}
             return httpx.Response(200, json={"object": "list", "data": [card]})
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/metrics":
+            page = (
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="{MODEL}"}} {self.running}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
+            )
+            return httpx.Response(200, text=page)
         body = json.loads(await request.aread())
         self.requests.append(body)
         try:
@@ -95,3 +110,12 @@ async def tokens(n: int, gap: float = 0.0, usage: bool = True) -> AsyncIterator[
     if usage:
         yield usage_chunk(3, n)
     yield DONE
+
+
+def fleet(workers: dict[str, FakeWorker]) -> httpx.MockTransport:
+    """One transport for several fake workers, told apart by ``host:port``."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return await workers[f"{request.url.host}:{request.url.port}"].handle(request)
+
+    return httpx.MockTransport(handle)

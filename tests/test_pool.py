@@ -1,0 +1,248 @@
+"""Worker pool: passive health on a fake clock, routing policies, DNS discovery, failover."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import httpx
+import pytest
+
+from app.errors import ModelNotFound
+from app.metrics import GatewayMetrics
+from app.routing import Router
+from app.settings import Settings
+from app.workers import WorkerPool
+from tests.fake_upstream import MODEL, FakeWorker, chunk, fleet, tokens
+from tests.servers import running_gateway, settings_for
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeResolver:
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = list(addresses)
+
+    async def resolve(self, host: str) -> list[str]:
+        if self.addresses == ["fail"]:
+            raise OSError("name resolution failed")
+        return list(self.addresses)
+
+
+def _pool(settings: Settings, clock: FakeClock, resolver: FakeResolver | None = None) -> WorkerPool:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    return WorkerPool(settings, client, GatewayMetrics(settings), clock, resolver or FakeResolver())
+
+
+def _metric(pool: WorkerPool, name: str, worker: str) -> float | None:
+    value = pool._metrics.registry.get_sample_value(name, {"worker": worker})
+    return value
+
+
+def test_repeated_failures_eject_with_growing_backoff_and_the_worker_returns() -> None:
+    clock = FakeClock()
+    settings = settings_for("http://a:1,http://b:2", eject_after_failures=3, eject_base_s=1.0)
+    pool = _pool(settings, clock)
+    a = pool.workers["a:1"]
+    a.up = True
+    for _ in range(2):
+        pool.report_failure(a, "upstream_status_error")
+    assert a.healthy(clock.now)
+    pool.report_failure(a, "upstream_status_error")
+    assert not a.healthy(clock.now)
+    assert _metric(pool, "gateway_worker_ejected", "a:1") == 1
+    assert _metric(pool, "gateway_worker_ejections_total", "a:1") == 1
+    clock.now += 1.01
+    assert a.healthy(clock.now)
+    for _ in range(3):  # fails again soon after: the backoff doubles
+        pool.report_failure(a, "timeout")
+    clock.now += 1.5
+    assert not a.healthy(clock.now)
+    clock.now += 0.6
+    assert a.healthy(clock.now)
+    # A success resets the streak; a long healthy spell resets the backoff.
+    pool.report_failure(a, "x")
+    pool.report_success(a)
+    pool.report_failure(a, "x")
+    pool.report_failure(a, "x")
+    assert a.healthy(clock.now)
+    clock.now += settings.eject_max_s + 1
+    pool.report_success(a)
+    assert a.ejections == 0
+
+
+def test_routing_policies() -> None:
+    clock = FakeClock()
+    settings = settings_for("http://a:1,http://b:2,http://c:3", affinity_slack_s=0.05)
+    pool = _pool(settings, clock)
+    for worker in pool.workers.values():
+        worker.up = True
+        worker.models = {MODEL}
+        worker.cards = {MODEL: {"id": MODEL}}
+    a, b, c = (pool.workers[k] for k in ("a:1", "b:2", "c:3"))
+    router = Router(settings, pool, random.Random(7))
+    # Predicted TTFT: the worker with the least prefill work ahead wins.
+    a.prefill_tokens_ahead, b.prefill_tokens_ahead, c.prefill_tokens_ahead = 4000, 100, 2000
+    assert router.choose(MODEL, 50).worker is b
+    b.prefill_tokens_ahead = 9000
+    assert router.choose(MODEL, 50).worker is c
+    # A longer prompt is predicted to take longer on the same worker.
+    assert router.predict(c, 1000)[0] > router.predict(c, 10)[0]
+    # Affinity: a key sticks to one worker while it is not much slower than the best...
+    for w in (a, b, c):
+        w.prefill_tokens_ahead = 0
+    pinned = {router.choose(MODEL, 50, affinity_key="session-1").worker for _ in range(10)}
+    assert len(pinned) == 1
+    (home,) = pinned
+    # ...and falls back when its worker is overloaded.
+    home.prefill_tokens_ahead = 50_000
+    assert router.choose(MODEL, 50, affinity_key="session-1").worker is not home
+    # Exclusion (failover) and unknown models.
+    assert router.choose(MODEL, 50, exclude=frozenset({"a:1", "b:2"})).worker is c
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        router.choose("nope", 10)
+    # Round robin visits each worker in turn.
+    rr = Router(settings_for("http://a:1,http://b:2,http://c:3", routing="round_robin"), pool)
+    assert {rr.choose(MODEL, 1).worker.label for _ in range(3)} == {"a:1", "b:2", "c:3"}
+    # Least outstanding never picks the busiest of two.
+    lo = Router(settings_for("http://a:1,http://b:2", routing="least_outstanding"), pool)
+    a.in_flight, b.in_flight, c.in_flight = 5, 1, 9
+    picks = {lo.choose(MODEL, 1).worker.label for _ in range(30)}
+    assert "c:3" not in picks
+
+
+def test_stale_load_counts_as_busy() -> None:
+    clock = FakeClock()
+    settings = settings_for("http://a:1,http://b:2")
+    pool = _pool(settings, clock)
+    router = Router(settings, pool)
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    from app.loadsignals import LoadSample
+
+    a.load = LoadSample(running=0, waiting=0, kv_cache_usage=0.1, at=clock.now)
+    b.load = LoadSample(running=0, waiting=0, kv_cache_usage=0.1, at=clock.now - 60)
+    assert router.predict(b, 10)[0] > router.predict(a, 10)[0] + 1.0
+
+
+async def test_dns_discovery_adds_and_drains_workers() -> None:
+    clock = FakeClock()
+    resolver = FakeResolver("10.0.0.1", "10.0.0.2")
+    settings = Settings.model_validate(
+        {"workers": [], "worker_dns": "vllm-workers.ns.svc:8000", "access_log": False}
+    )
+    pool = _pool(settings, clock, resolver)
+    await pool.rediscover()
+    assert sorted(pool.workers) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert pool.workers["10.0.0.1:8000"].spec.base_url == "http://10.0.0.1:8000"
+    gone = pool.workers["10.0.0.1:8000"]
+    gone.in_flight = 1
+    resolver.addresses = ["10.0.0.2"]
+    await pool.rediscover()
+    assert gone.draining  # still finishing its stream, but takes no new ones
+    assert not gone.healthy(clock.now)
+    resolver.addresses = ["fail"]  # a DNS failure keeps the current workers
+    await pool.rediscover()
+    assert "10.0.0.1:8000" in pool.workers
+    resolver.addresses = ["10.0.0.2", "10.0.0.3"]
+    gone.in_flight = 0
+    await pool.rediscover()
+    assert sorted(pool.workers) == ["10.0.0.2:8000", "10.0.0.3:8000"]
+    assert _metric(pool, "gateway_worker_up", "10.0.0.1:8000") is None
+
+
+async def _ok(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=tokens(3))
+
+
+async def _fail500(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+    return httpx.Response(500, json={"error": {"message": "engine dead", "code": 500}})
+
+
+def _chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            **extra}  # fmt: skip
+
+
+async def _stream(client: httpx.AsyncClient, **extra: Any) -> tuple[int, bytes]:
+    async with client.stream("POST", "/v1/chat/completions", json=_chat(**extra)) as r:
+        return r.status_code, await r.aread()
+
+
+async def test_failover_before_first_byte_and_ejection() -> None:
+    bad, good = FakeWorker(_fail500), FakeWorker(_ok)
+    transport = fleet({"bad:1": bad, "good:2": good})
+    settings = settings_for("http://bad:1,http://good:2", routing="round_robin")
+    async with running_gateway(settings, transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            results = [await _stream(client) for _ in range(6)]
+            metrics = (await client.get("/metrics")).text
+    assert all(status == 200 and body.endswith(b"data: [DONE]\n\n") for status, body in results)
+    assert 1 <= len(bad.requests) <= 3  # ejected after 3 failures: no more traffic
+    assert len(good.requests) == 6
+    assert f'gateway_worker_failovers_total{{worker="bad:1"}} {len(bad.requests)}.0' in metrics
+    assert 'gateway_worker_ejected{worker="bad:1"} 1.0' in metrics
+    assert 'gateway_worker_up{worker="good:2"} 1.0' in metrics
+
+
+async def test_no_failover_for_worker_4xx_or_after_bytes_were_sent() -> None:
+    async def refuse(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "prompt too long", "code": 400}})
+
+    async def die(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        async def events() -> Any:
+            yield chunk(None, role=True)
+            yield chunk(" a")
+            raise httpx.ReadError("connection reset")
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=events())  # fmt: skip
+
+    for handler, check in ((refuse, b"prompt too long"), (die, b"upstream_invalid_response")):
+        first, second = FakeWorker(handler), FakeWorker(_ok)
+        transport = fleet({"first:1": first, "second:2": second})
+        settings = settings_for("http://first:1,http://second:2", routing="round_robin")
+        async with running_gateway(settings, transport) as url:
+            async with httpx.AsyncClient(base_url=url) as client:
+                statuses = []
+                for _ in range(2):
+                    status, body = await _stream(client)
+                    statuses.append(status)
+                    if check in body:
+                        break
+        assert check in body
+        assert len(first.requests) == 1
+        assert len(second.requests) <= 1  # only its own turn, never a retry
+
+
+async def test_requests_only_reach_workers_serving_their_model() -> None:
+    other = FakeWorker(_ok)
+
+    async def models_other(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "other-model"}]})
+        return await other.handle(request)
+
+    mine = FakeWorker(_ok)
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "x":
+            return await models_other(request)
+        return await mine.handle(request)
+
+    settings = settings_for("http://x:1,http://y:2")
+    async with running_gateway(settings, httpx.MockTransport(route)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+            for _ in range(4):
+                assert (await _stream(client))[0] == 200
+    assert ids == [MODEL, "other-model"]
+    assert len(mine.requests) == 4
+    assert other.requests == []
+    assert json.loads(json.dumps(ids))
