@@ -12,8 +12,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from app.admission import AdmissionController
+from app.auth import Authenticator
 from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
+from app.goodput import GoodputTracker
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.relay import RelayDeps
@@ -43,21 +46,32 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, GatewayState]]:
         metrics = GatewayMetrics(settings)
+        auth = Authenticator(settings, clock)
+        auth.log_mode()
         client = make_client(settings, transport)
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
         router = Router(settings, pool)
+        admission = AdmissionController(settings, pool, router, metrics, clock)
+        goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
         try:
             await pool.start(first_wait=settings.connect_timeout_s)
             log.info(
-                "gateway ready: %d worker(s), %d healthy, models %s, routing %s",
+                "gateway ready: %d worker(s), %d healthy, models %s, routing %s, admission %s",
                 len(pool.workers), sum(w.up for w in pool.workers.values()),
                 sorted(pool.served_models()), settings.routing,
+                "on" if settings.admission else "off",
             )  # fmt: skip
-            deps = RelayDeps(settings, client, pool, router, metrics, sizer)
-            state = GatewayState(settings, client, pool, metrics, clock, router, sizer, deps)
-            yield {STATE_KEY: state}
+            deps = RelayDeps(
+                settings, client, pool, router, metrics, sizer, admission, auth, goodput
+            )
+            yield {
+                STATE_KEY: GatewayState(
+                    settings, client, pool, metrics, clock, router, sizer, auth, goodput, deps
+                )
+            }
         finally:
+            await admission.stop()
             await pool.stop()
             await client.aclose()
 

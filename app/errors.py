@@ -7,6 +7,7 @@ cause so logs keep the chain while clients get a clean message.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, ClassVar
 
 
@@ -117,3 +118,75 @@ class UpstreamClientError(GatewayError):
     def to_dict(self) -> dict[str, Any]:
         """The worker's own error object, unchanged."""
         return self.body
+
+
+class AuthenticationFailed(GatewayError):
+    """No API key, or one the gateway does not know (the key is never echoed)."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+    outcome = "invalid_request"
+
+
+class TierNotAllowed(GatewayError):
+    """The client asked for a tier above its key's."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "tier_not_allowed"
+    outcome = "invalid_request"
+
+
+class _RetryLater(GatewayError):
+    """An error that tells the client when to come back (Retry-After, in s and ms)."""
+
+    outcome = "rejected"
+
+    def __init__(self, message: str, retry_after_s: float, *, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        """``retry-after`` (whole seconds, rounded up) and ``retry-after-ms`` (the SDKs use it)."""
+        seconds = max(1, math.ceil(self.retry_after_s))
+        return {
+            "retry-after": str(seconds),
+            "retry-after-ms": str(round(self.retry_after_s * 1000)),
+        }
+
+
+class RateLimited(_RetryLater):
+    """A key's concurrency or tokens-per-minute limit is reached."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class Overloaded(_RetryLater):
+    """Admission control refused the request: it could not meet its SLO now."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "overloaded"
+
+
+class QueueTimeout(_RetryLater):
+    """The request waited in the admission queue until its deadline passed."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "queue_timeout"
+
+
+class Shed(_RetryLater):
+    """A sheddable request was dropped from the queue to make room for a more urgent one."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "shed"
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After plus a header saying the request was shed."""
+        return {**super().headers(), "x-gateway-shed": "true"}

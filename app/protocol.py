@@ -67,7 +67,7 @@ _MODELS: dict[Endpoint, type[_GenerationRequest]] = {
 class ParsedRequest:
     """A validated generation request: the client's JSON plus the fields the gateway uses."""
 
-    __slots__ = ("body", "endpoint", "model", "size", "stream", "user", "wants_usage")
+    __slots__ = ("body", "endpoint", "max_tokens", "model", "size", "stream", "user", "wants_usage")
 
     def __init__(
         self, endpoint: Endpoint, body: dict[str, Any], fields: _GenerationRequest, size: int
@@ -76,6 +76,7 @@ class ParsedRequest:
         self.body = body
         self.size = size
         self.user = fields.user
+        self.max_tokens = fields.max_completion_tokens or fields.max_tokens
         self.model = fields.model
         self.stream = bool(fields.stream)
         opts = fields.stream_options

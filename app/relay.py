@@ -24,6 +24,8 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from app.admission import AdmissionController, Ticket
+from app.auth import Authenticator, Identity
 from app.errors import (
     GatewayError,
     UpstreamClientError,
@@ -31,13 +33,14 @@ from app.errors import (
     UpstreamTimeout,
     error_body,
 )
+from app.goodput import GoodputTracker, slo_result
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.protocol import ParsedRequest
 from app.routing import Choice, Router
-from app.settings import Settings
+from app.settings import Settings, TierSpec
 from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
-from app.timing import RequestTimer
+from app.timing import RequestTimer, TimingSummary
 from app.upstream import open_response
 from app.workers import WorkerPool
 
@@ -62,15 +65,21 @@ class RelayDeps:
     router: Router
     metrics: GatewayMetrics
     sizer: PromptSizer
+    admission: AdmissionController
+    auth: Authenticator
+    goodput: GoodputTracker
 
 
 class _Attempt:
     """One try of a request on one worker: keeps the worker's load accounting right."""
 
-    __slots__ = ("choice", "dispatched", "first", "own_tokens", "running", "worker")
+    __slots__ = ("choice", "dispatched", "first", "own_tokens", "running", "tier", "worker")
 
-    def __init__(self, deps: RelayDeps, choice: Choice, own_tokens: float, now: float) -> None:
+    def __init__(
+        self, deps: RelayDeps, choice: Choice, own_tokens: float, now: float, tier: str
+    ) -> None:
         self.choice = choice
+        self.tier = tier
         self.worker = worker = choice.worker
         self.own_tokens = own_tokens
         self.dispatched = now
@@ -89,8 +98,13 @@ class _Attempt:
         worker = self.worker
         worker.prefill_tokens_ahead -= self.own_tokens
         deps.pool.report_success(worker)
-        worker.latency.observe_ttft(self.choice.prefill_work, at - self.dispatched)
-        deps.metrics.worker_ttft.labels(worker.label).observe(at - self.dispatched)
+        ttft = at - self.dispatched
+        worker.latency.observe_ttft(self.choice.prefill_work, ttft)
+        deps.metrics.worker_ttft.labels(worker.label).observe(ttft)
+        deps.metrics.prediction_error.labels(self.tier).observe(
+            abs(ttft - self.choice.predicted_ttft_s)
+        )
+        deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
 
     def release(self, deps: RelayDeps) -> None:
         """The attempt is over, whatever its outcome."""
@@ -101,37 +115,39 @@ class _Attempt:
         deps.metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
 
 
+@dataclass(slots=True)
+class RequestContext:
+    """Everything known about one generation request when its relay starts."""
+
+    request: ParsedRequest
+    timer: RequestTimer
+    request_id: str
+    identity: Identity
+    ticket: Ticket
+    charged_tokens: float
+    """Tokens charged to the key's per-minute allowance up front (corrected at the end)."""
+
+
 class Relay(Response):
     """The ASGI response that serves one generation request end to end."""
 
-    def __init__(
-        self,
-        deps: RelayDeps,
-        request: ParsedRequest,
-        choice: Choice,
-        timer: RequestTimer,
-        request_id: str,
-        tier: str,
-        own_tokens: float,
-        affinity_key: str | None,
-    ) -> None:
+    def __init__(self, deps: RelayDeps, ctx: RequestContext) -> None:
         # Response.__init__ is not called: this response writes its own status and headers.
         self.background = None
         self._deps = deps
-        self._request = request
-        self._choice = choice
-        self._timer = timer
-        self._request_id = request_id
-        self._tier = tier
-        self._own_tokens = own_tokens
-        self._affinity_key = affinity_key
-        self._model_label = deps.pool.model_label(request.model)
+        self._ctx = ctx
+        self._request = ctx.request
+        self._timer = ctx.timer
+        self._request_id = ctx.request_id
+        self._tier = ctx.identity.tier.name
+        self._model_label = deps.pool.model_label(ctx.request.model)
         self._status = 200
         self._outcome = "ok"
         self._started = False
         self._tokens: tuple[int, int] | None = None
         self._end: float | None = None
         self._attempt: _Attempt | None = None
+        self._queued_s = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request, cancelling the worker request if the client disconnects."""
@@ -162,13 +178,21 @@ class Relay(Response):
         self._status, self._outcome = CLIENT_CLOSED, "client_cancelled"
 
     async def _serve(self, send: Send) -> None:
-        """Try workers until one answers; fail over only before the client got a byte."""
-        deps = self._deps
-        choice = self._choice
+        """Wait for admission, then try workers until one answers.
+
+        Fails over only before the client got a byte, so no text is ever duplicated.
+        """
+        deps, ticket = self._deps, self._ctx.ticket
+        try:
+            choice, self._queued_s = await deps.admission.admit(ticket)
+        except GatewayError as error:
+            await self._fail(send, error, None)
+            return
+        self._timer.queued(self._queued_s)
         tried = {choice.worker.label}
         once = self._stream_once if self._request.stream else self._unary_once
         while True:
-            attempt = _Attempt(deps, choice, self._own_tokens, self._timer.clock())
+            attempt = _Attempt(deps, choice, ticket.own_tokens, self._timer.clock(), self._tier)
             self._attempt = attempt
             try:
                 await once(send, attempt)
@@ -193,11 +217,13 @@ class Relay(Response):
                 tried.add(choice.worker.label)
             finally:
                 attempt.release(deps)
+                deps.admission.completed()
 
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
+        ticket = self._ctx.ticket
         try:
             return self._deps.router.choose(
-                self._request.model, self._own_tokens, self._affinity_key, exclude
+                ticket.model, ticket.own_tokens, ticket.affinity, exclude
             )
         except GatewayError:
             return None
@@ -322,7 +348,12 @@ class Relay(Response):
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [*headers, (b"x-request-id", self._request_id.encode())],
+                "headers": [
+                    *headers,
+                    (b"x-request-id", self._request_id.encode()),
+                    (b"x-gateway-tier", self._tier.encode()),
+                    (b"x-gateway-queue-ms", b"%.1f" % (self._queued_s * 1000)),
+                ],
             }
         )
 
@@ -351,14 +382,19 @@ class Relay(Response):
         await send({"type": "http.response.body", "body": event, "more_body": False})
 
     def _finish(self) -> None:
-        deps = self._deps
+        deps, ctx = self._deps, self._ctx
         tokens = self._tokens
         summary = self._timer.summary(None if tokens is None else tokens[1], end=self._end)
         model = self._model_label
         endpoint = self._request.endpoint.value
         metrics = deps.metrics
         metrics.count(model, self._tier, endpoint, self._status, self._outcome, tokens)
+        deps.auth.release(ctx.identity, ctx.charged_tokens, None if tokens is None else sum(tokens))
         attempt = self._attempt
+        if self._outcome != "client_cancelled":
+            result = _slo_result(self._outcome, ctx.identity.tier, summary, tokens, ctx.request)
+            if result is not None:
+                deps.goodput.record(model, self._tier, result, tokens[1] if tokens else None)
         if self._outcome in ("ok", "client_cancelled"):
             metrics.observe(model, self._tier, summary, self._request.stream)
             if attempt is not None:
@@ -382,6 +418,22 @@ class Relay(Response):
                 _ms(summary.e2e_s), summary.output_events,
                 *(tokens if tokens is not None else (None, None)),
             )  # fmt: skip
+
+
+def _slo_result(
+    outcome: str,
+    tier: TierSpec,
+    summary: TimingSummary,
+    tokens: tuple[int, int] | None,
+    request: ParsedRequest,
+) -> str | None:
+    if outcome == "ok":
+        return slo_result(tier, summary, tokens[1] if tokens else None, request.stream)
+    if outcome == "rejected":
+        return "rejected"
+    if outcome in ("upstream_error", "timeout"):
+        return "errored"
+    return None  # the client's own mistake: no SLO applies
 
 
 def _earliest(a: float, b: float | None) -> float:

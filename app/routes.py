@@ -11,10 +11,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from app.admission import Ticket
 from app.body import read_body
 from app.errors import GatewayError
 from app.protocol import Endpoint, ParsedRequest, parse_request
-from app.relay import Relay, error_response
+from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
 
@@ -43,20 +44,34 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
     model = ""
     tier = state.settings.default_tier
     try:
+        identity = state.auth.identify(
+            request.headers.get("authorization"), request.headers.get(state.settings.tier_header)
+        )
+        tier = identity.tier.name
         raw = await read_body(request, state.settings.max_body_bytes)
         parsed = parse_request(endpoint, raw)
         model = parsed.model
+        state.router.candidates(model)  # unknown model: 404 now, before any waiting
         own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
-        affinity = _affinity_key(request, parsed, state.settings.affinity_header)
-        choice = state.router.choose(model, own_tokens, affinity)
+        charged = own_tokens + float(parsed.max_tokens or 0)
+        state.auth.acquire(identity, charged)
     except GatewayError as exc:
-        state.metrics.count(
-            state.pool.model_label(model), tier, endpoint.value, exc.status_code, exc.outcome, None
-        )
+        label = state.pool.model_label(model)
+        state.metrics.count(label, tier, endpoint.value, exc.status_code, exc.outcome, None)
+        if exc.outcome == "rejected":
+            state.goodput.record(label, tier, "rejected", None)
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
         return response
-    return Relay(state.relay_deps, parsed, choice, timer, request_id, tier, own_tokens, affinity)
+    ticket = Ticket(
+        identity.tier,
+        model,
+        own_tokens,
+        _affinity_key(request, parsed, state.settings.affinity_header),
+        timer.arrival,
+    )
+    ctx = RequestContext(parsed, timer, request_id, identity, ticket, charged)
+    return Relay(state.relay_deps, ctx)
 
 
 @router.get("/v1/models")
@@ -87,6 +102,7 @@ async def readyz(state: State) -> JSONResponse:
 async def metrics(state: State) -> PlainTextResponse:
     """Prometheus exposition of the gateway's metrics."""
     state.metrics.set_load_age(state.pool.now())
+    state.goodput.export()
     return PlainTextResponse(
         generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
     )

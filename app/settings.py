@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, HttpUrl, field_validator, model_validator
@@ -52,6 +53,36 @@ class WorkerSpec(BaseModel):
             return self.name
         host = self.url.host or "worker"
         return f"{host}:{self.url.port}" if self.url.port else host
+
+
+class TierSpec(BaseModel):
+    """A priority tier: its service-level objectives and how it is treated under load."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+    priority: int = Field(description="Lower is served first.")
+    ttft_slo_s: float = Field(gt=0, description="Time-to-first-token target.")
+    tpot_slo_s: float | None = Field(
+        default=None, gt=0, description="Time-per-output-token target."
+    )
+    sheddable: bool = Field(default=False, description="Dropped first when capacity is short.")
+    max_queue_wait_s: float = Field(gt=0, description="Longest wait in the admission queue.")
+
+
+DEFAULT_TIERS = (
+    TierSpec(name="interactive", priority=0, ttft_slo_s=1.0, tpot_slo_s=0.1, max_queue_wait_s=1.0),
+    TierSpec(name="standard", priority=1, ttft_slo_s=5.0, tpot_slo_s=0.2, max_queue_wait_s=5.0),
+    TierSpec(name="batch", priority=2, ttft_slo_s=60.0, sheddable=True, max_queue_wait_s=60.0),
+)
+
+
+class ApiKeySpec(BaseModel):
+    """A client key, known only by its SHA-256, and what it may do."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the bearer key")
+    name: str = Field(default="", description="For the operator's logs; never the key itself.")
+    tier: str = "standard"
+    max_concurrency: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
 
 
 def _parse_workers(value: Any) -> Any:
@@ -151,7 +182,29 @@ class Settings(BaseSettings):
     e2e_buckets: tuple[float, ...] = E2E_BUCKETS
     queue_buckets: tuple[float, ...] = LATENCY_BUCKETS
     default_tier: str = Field(
-        default="standard", description="Tier of requests that carry no API key."
+        default="standard", description="Tier of requests when no API keys are configured."
+    )
+    tiers: tuple[TierSpec, ...] = Field(
+        default=DEFAULT_TIERS, description="Priority tiers (JSON list of tier objects)."
+    )
+    api_keys: tuple[ApiKeySpec, ...] = Field(
+        default=(), description="Client keys (JSON list of {sha256, tier, name, limits})."
+    )
+    api_keys_file: Path | None = Field(
+        default=None, description="A JSON file with the same list (e.g. a mounted Secret)."
+    )
+    tier_header: str = Field(
+        default="x-gateway-tier", description="Header a client uses to ask for a lower tier."
+    )
+    admission: bool = Field(
+        default=True, description="SLO-aware admission; false relays everything at once."
+    )
+    max_queue_length: int = Field(default=1024, ge=0, description="Admission queue bound.")
+    ttft_headroom: float = Field(
+        default=0.8, gt=0, le=1, description="Admit when predicted TTFT <= headroom x SLO."
+    )
+    max_running_per_worker: int = Field(
+        default=256, ge=1, description="Hard cap on a worker's concurrent requests."
     )
     access_log: bool = Field(default=True, description="One log line per finished request.")
     log_level: str = Field(default="info", description="Python logging level.")
@@ -169,7 +222,14 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _unique_worker_labels(self) -> Settings:
+    def _check(self) -> Settings:
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"tier names must be unique and non-empty, got {names}")
+        known = set(names)
+        for tier in [self.default_tier, *(k.tier for k in self.api_keys)]:
+            if tier not in known:
+                raise ValueError(f"unknown tier {tier!r}; tiers are {sorted(known)}")
         if not self.workers and not self.worker_dns:
             raise ValueError("no workers: set GATEWAY_WORKERS or GATEWAY_WORKER_DNS")
         labels = [w.label for w in self.workers]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import httpx
 from starlette.requests import Request
 
+from app.auth import Authenticator
+from app.goodput import GoodputTracker
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.relay import RelayDeps
@@ -27,6 +29,8 @@ class GatewayState:
     clock: Clock
     router: Router
     sizer: PromptSizer
+    auth: Authenticator
+    goodput: GoodputTracker
     relay_deps: RelayDeps
 
 

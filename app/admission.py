@@ -1,0 +1,314 @@
+"""SLO-aware admission: admit, queue or reject each request, highest tier first.
+
+For a request and its best worker the controller predicts TTFT (the prefill work ahead of it
+plus its own prompt, at the worker's learnt prefill speed) and TPOT (the decode step time of
+the batch it would join). It admits when both fit the tier's targets and the worker is under
+its concurrency cap: the largest batch whose predicted TPOT still meets the strictest TPOT
+target, so running streams keep their pace.
+
+Otherwise the request waits in one priority queue (higher tier first, earliest deadline first
+within a tier) as long as waiting can still meet its TTFT target, up to the tier's maximum
+wait. When it cannot, it is rejected with 429 and a Retry-After computed from the observed
+drain rate; a queued request whose deadline passes gets 503 and a Retry-After. A full queue
+sheds a sheddable request of a lower tier to make room for a more urgent one.
+
+Capacity freed by a finished request or a completed prefill wakes the dispatcher at once; a
+short periodic tick catches deadlines and predictions that change with time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.errors import GatewayError, Overloaded, QueueTimeout, Shed
+from app.metrics import GatewayMetrics
+from app.routing import Choice, Router
+from app.settings import Settings, TierSpec
+from app.timing import Clock
+from app.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.05
+_DRAIN_WINDOW_S = 10.0
+_MAX_RETRY_AFTER_S = 60.0
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request's place in admission."""
+
+    tier: TierSpec
+    model: str
+    own_tokens: float
+    affinity: str | None
+    arrival: float
+    seq: int = 0
+    deadline: float = math.inf
+    future: asyncio.Future[Choice] | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[int, float, int]:
+        """Queue order: tier priority, then earliest deadline, then arrival."""
+        return (self.tier.priority, self.deadline, self.seq)
+
+
+class AdmissionController:
+    """Decides, for every request, whether it runs now, waits, or is turned away."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: WorkerPool,
+        router: Router,
+        metrics: GatewayMetrics,
+        clock: Clock,
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._router = router
+        self._metrics = metrics
+        self._clock = clock
+        self._queue: list[Ticket] = []
+        self._keys: list[tuple[int, float, int]] = []
+        self._seq = itertools.count()
+        self._completions: deque[float] = deque()
+        self._reserved: dict[Ticket, Choice] = {}
+        self._poked = False
+        self._ticker: asyncio.Task[None] | None = None
+        targets = [t.tpot_slo_s for t in settings.tiers if t.tpot_slo_s is not None]
+        self._tpot_target = min(targets) if targets else None
+        for tier in settings.tiers:
+            metrics.queue_depth.labels(tier.name).set(0)
+
+    # Capacity -----------------------------------------------------------------------------
+
+    def cap(self, worker: Worker) -> int:
+        """The most requests ``worker`` may run while keeping the strictest TPOT target."""
+        limit = self._settings.max_running_per_worker
+        if self._tpot_target is None:
+            return limit
+        decode = worker.latency.decode
+        slope = decode.slope
+        if slope <= 0:
+            return limit
+        fits = (self._tpot_target * self._settings.ttft_headroom - decode.intercept) / slope
+        return max(1, min(limit, math.floor(fits)))
+
+    def _busy(self, worker: Worker) -> int:
+        return worker.in_flight + sum(1 for c in self._reserved.values() if c.worker is worker)
+
+    def _try(self, ticket: Ticket, now: float) -> Choice | None:
+        """The worker to run ``ticket`` on now, or None if no worker can meet its SLO now."""
+        candidates = self._router.candidates(ticket.model)
+        full = frozenset(w.label for w in candidates if self._busy(w) >= self.cap(w))
+        if len(full) == len(candidates):
+            return None
+        choice = self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity, full)
+        budget = ticket.tier.ttft_slo_s - (now - ticket.arrival)
+        if choice.predicted_ttft_s > self._settings.ttft_headroom * budget:
+            return None
+        tpot_target = ticket.tier.tpot_slo_s
+        if tpot_target is not None:
+            worker = choice.worker
+            load, _ = worker.current_load(now, self._settings.load_max_age_s)
+            if worker.latency.predict_tpot(max(load.running, self._busy(worker)) + 1) > tpot_target:
+                return None
+        return choice
+
+    def _min_service(self, ticket: Ticket) -> float:
+        """TTFT of the request on the fastest idle worker: no wait can make it shorter."""
+        best = math.inf
+        for worker in self._router.candidates(ticket.model):
+            best = min(best, worker.latency.prefill.predict(ticket.own_tokens))
+        return best
+
+    # Admission ----------------------------------------------------------------------------
+
+    async def admit(self, ticket: Ticket) -> tuple[Choice, float]:
+        """``(worker choice, seconds spent queued)``; raises when the request is turned away."""
+        tier = ticket.tier.name
+        if not self._settings.admission:
+            direct = self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity)
+            self._decide(tier, "admitted")
+            return direct, 0.0
+        now = self._clock()
+        if not self._waiting_ahead(ticket):
+            choice = self._try(ticket, now)
+            if choice is not None:
+                self._decide(tier, "admitted")
+                return choice, 0.0
+        latest_start = ticket.arrival + ticket.tier.ttft_slo_s - self._min_service(ticket)
+        ticket.deadline = min(ticket.arrival + ticket.tier.max_queue_wait_s, latest_start)
+        if ticket.deadline <= now:
+            self._decide(tier, "rejected")
+            raise Overloaded(
+                f"The gateway cannot meet the '{tier}' tier's {ticket.tier.ttft_slo_s:g} s "
+                "time-to-first-token target now; retry later or use a lower tier.",
+                self._retry_after(ticket),
+            )
+        if len(self._queue) >= self._settings.max_queue_length and not self._shed_for(ticket):
+            self._decide(tier, "rejected")
+            raise Overloaded("The admission queue is full; retry later.", self._retry_after(ticket))
+        return await self._wait(ticket, now)
+
+    async def _wait(self, ticket: Ticket, now: float) -> tuple[Choice, float]:
+        ticket.seq = next(self._seq)
+        ticket.future = asyncio.get_running_loop().create_future()
+        self._insert(ticket)
+        self._decide(ticket.tier.name, "queued")
+        self._ensure_ticker()
+        try:
+            choice = await ticket.future
+        except asyncio.CancelledError:
+            if ticket in self._queue:
+                self._remove(ticket)
+                self._decide(ticket.tier.name, "cancelled")
+            self._unreserve(ticket)
+            self.poke()
+            raise
+        self._unreserve(ticket)
+        waited = self._clock() - now
+        self._metrics.queue_wait.labels(ticket.tier.name).observe(waited)
+        return choice, waited
+
+    def _unreserve(self, ticket: Ticket) -> None:
+        choice = self._reserved.pop(ticket, None)
+        if choice is not None:
+            choice.worker.prefill_tokens_ahead -= ticket.own_tokens
+
+    def _waiting_ahead(self, ticket: Ticket) -> bool:
+        """Whether a queued request of the same model and at least this tier waits already."""
+        return any(
+            t.model == ticket.model and t.tier.priority <= ticket.tier.priority for t in self._queue
+        )
+
+    def _shed_for(self, ticket: Ticket) -> bool:
+        """Drop the least urgent sheddable request of a lower tier, if there is one."""
+        victims = [
+            t for t in self._queue if t.tier.sheddable and t.tier.priority > ticket.tier.priority
+        ]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda t: t.key)
+        self._remove(victim)
+        self._decide(victim.tier.name, "shed")
+        if victim.future is not None and not victim.future.done():
+            victim.future.set_exception(
+                Shed(
+                    "This request was shed to make room for more urgent work; retry later.",
+                    self._retry_after(victim),
+                )
+            )
+        return True
+
+    # Dispatch -----------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Capacity may have freed up: run the dispatcher soon (once, however often poked)."""
+        if self._queue and not self._poked:
+            self._poked = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def completed(self) -> None:
+        """A request left its worker: count it for the drain rate and dispatch."""
+        now = self._clock()
+        self._completions.append(now)
+        while self._completions and self._completions[0] < now - _DRAIN_WINDOW_S:
+            self._completions.popleft()
+        self.poke()
+
+    def _dispatch(self) -> None:
+        self._poked = False
+        now = self._clock()
+        blocked: set[str] = set()
+        for ticket in list(self._queue):
+            future = ticket.future
+            if future is None or future.done():
+                self._remove(ticket)
+                continue
+            if ticket.deadline <= now:
+                self._remove(ticket)
+                self._decide(ticket.tier.name, "expired")
+                future.set_exception(
+                    QueueTimeout(
+                        f"The request waited {now - ticket.arrival:.2f} s in the '"
+                        f"{ticket.tier.name}' queue without capacity to meet its SLO.",
+                        self._retry_after(ticket),
+                    )
+                )
+                continue
+            # Strict priority within a model: nobody overtakes a blocked request of its model.
+            if ticket.model in blocked:
+                continue
+            try:
+                choice = self._try(ticket, now)
+            except GatewayError:
+                choice = None  # no healthy worker right now: wait for one until the deadline
+            if choice is None:
+                blocked.add(ticket.model)
+                continue
+            self._remove(ticket)
+            # Until its task runs and takes the worker, the slot and prefill work are held here
+            # so the next request in this same pass sees them.
+            self._reserved[ticket] = choice
+            choice.worker.prefill_tokens_ahead += ticket.own_tokens
+            self._decide(ticket.tier.name, "admitted")
+            future.set_result(choice)
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="admission")
+
+    async def _tick(self) -> None:
+        while self._queue:
+            nearest = min(t.deadline for t in self._queue)
+            await asyncio.sleep(max(0.0, min(_TICK_S, nearest - self._clock())))
+            self._dispatch()
+
+    async def stop(self) -> None:
+        """Stop the ticker; queued requests are failed by their own cancellation."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    # Bookkeeping --------------------------------------------------------------------------
+
+    def _insert(self, ticket: Ticket) -> None:
+        index = bisect.bisect(self._keys, ticket.key)
+        self._keys.insert(index, ticket.key)
+        self._queue.insert(index, ticket)
+        self._metrics.queue_depth.labels(ticket.tier.name).inc()
+
+    def _remove(self, ticket: Ticket) -> None:
+        index = self._queue.index(ticket)
+        del self._queue[index]
+        del self._keys[index]
+        self._metrics.queue_depth.labels(ticket.tier.name).dec()
+
+    def _decide(self, tier: str, decision: str) -> None:
+        self._metrics.admission_decisions.labels(tier, decision).inc()
+
+    def drain_rate(self) -> float:
+        """Requests leaving the workers per second, over the last few seconds."""
+        now = self._clock()
+        recent = [t for t in self._completions if t >= now - _DRAIN_WINDOW_S]
+        if len(recent) < 2:
+            return 0.0
+        return len(recent) / max(now - recent[0], 1.0)
+
+    def _retry_after(self, ticket: Ticket) -> float:
+        """When capacity for this request is likely: the work ahead of it over the drain rate."""
+        ahead = 1 + sum(1 for t in self._queue if t.tier.priority <= ticket.tier.priority)
+        rate = self.drain_rate()
+        if rate <= 0:
+            return min(_MAX_RETRY_AFTER_S, ticket.tier.max_queue_wait_s)
+        return min(_MAX_RETRY_AFTER_S, max(0.1, ahead / rate))

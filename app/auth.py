@@ -1,0 +1,179 @@
+"""Who is calling: bearer keys, known only by their SHA-256, mapped to tiers and limits.
+
+Keys never reach logs, metrics or error messages; only a key's configured ``name`` (or the
+first 8 hex digits of its hash) is ever shown. Without keys configured, every request runs in
+the default tier and the start-up log says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+
+from pydantic import TypeAdapter
+
+from app.errors import AuthenticationFailed, RateLimited, TierNotAllowed
+from app.settings import ApiKeySpec, Settings, TierSpec
+from app.timing import Clock
+
+log = logging.getLogger(__name__)
+_KEYS = TypeAdapter(list[ApiKeySpec])
+
+
+class TokenBucket:
+    """Tokens-per-minute allowance: refills continuously, may go into debt by one request.
+
+    A request is charged its estimate when admitted and corrected with its real usage when it
+    finishes, so a key cannot burst far past its limit with large generations.
+    """
+
+    __slots__ = ("_at", "_clock", "_level", "capacity", "rate")
+
+    def __init__(self, per_minute: int, clock: Clock) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self._clock = clock
+        self._level = self.capacity
+        self._at = clock()
+
+    @property
+    def level(self) -> float:
+        """Tokens available now (negative while in debt)."""
+        now = self._clock()
+        self._level = min(self.capacity, self._level + (now - self._at) * self.rate)
+        self._at = now
+        return self._level
+
+    def wait_for(self, tokens: float) -> float:
+        """Seconds until ``tokens`` could be charged; 0 when the bucket is not in debt."""
+        level = self.level
+        return 0.0 if level > 0 else (min(tokens, self.capacity) - level) / self.rate
+
+    def charge(self, tokens: float) -> None:
+        """Take ``tokens`` (negative to give back)."""
+        self._level = self.level - tokens
+
+
+class KeyState:
+    """A configured key and its live usage."""
+
+    __slots__ = ("bucket", "in_flight", "spec")
+
+    def __init__(self, spec: ApiKeySpec, clock: Clock) -> None:
+        self.spec = spec
+        self.in_flight = 0
+        per_minute = spec.tokens_per_minute
+        self.bucket = TokenBucket(per_minute, clock) if per_minute else None
+
+    @property
+    def name(self) -> str:
+        """What logs may show of the key."""
+        return self.spec.name or f"key-{self.spec.sha256[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """The caller of one request: its key (if keys are on) and the tier it runs in."""
+
+    key: KeyState | None
+    tier: TierSpec
+
+
+class Authenticator:
+    """Maps a request's ``Authorization`` header to an :class:`Identity`."""
+
+    def __init__(self, settings: Settings, clock: Clock) -> None:
+        self.tiers = {tier.name: tier for tier in settings.tiers}
+        self._default = self.tiers[settings.default_tier]
+        specs = list(settings.api_keys)
+        if settings.api_keys_file is not None:
+            specs += _KEYS.validate_python(json.loads(settings.api_keys_file.read_text()))
+        for spec in specs:
+            if spec.tier not in self.tiers:
+                raise ValueError(
+                    f"API key {spec.name or spec.sha256[:8]}: unknown tier {spec.tier}"
+                )
+        self._keys = {spec.sha256: KeyState(spec, clock) for spec in specs}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether keys are required."""
+        return bool(self._keys)
+
+    def log_mode(self) -> None:
+        """Say at start-up whether keys are enforced."""
+        if self.enabled:
+            log.info(
+                "API keys: %d configured; requests without a known key get 401", len(self._keys)
+            )
+        else:
+            log.warning(
+                "no API keys configured: every request runs in tier '%s' (lower tiers can be "
+                "asked for with the tier header)",
+                self._default.name,
+            )
+
+    def identify(self, authorization: str | None, asked_tier: str | None) -> Identity:
+        """The caller and tier; raises 401 for a missing/unknown key, 403 for a higher tier."""
+        key: KeyState | None = None
+        tier = self._default
+        if self._keys:
+            scheme, _, token = (authorization or "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'.")
+            digest = hashlib.sha256(token.strip().encode()).hexdigest()
+            key = self._keys.get(digest)
+            if key is None:
+                raise AuthenticationFailed("Incorrect API key provided.")
+            tier = self.tiers[key.spec.tier]
+        if asked_tier:
+            wanted = self.tiers.get(asked_tier.strip().lower())
+            if wanted is None:
+                raise TierNotAllowed(
+                    f"Unknown tier '{asked_tier[:32]}'; tiers are {sorted(self.tiers)}.",
+                    param="x-gateway-tier",
+                )
+            if wanted.priority < tier.priority:
+                raise TierNotAllowed(
+                    f"This key may use tier '{tier.name}' or a lower one, not '{wanted.name}'.",
+                    param="x-gateway-tier",
+                )
+            tier = wanted
+        return Identity(key, tier)
+
+    @staticmethod
+    def acquire(identity: Identity, estimated_tokens: float) -> None:
+        """Take one concurrency slot and the estimated tokens; raise 429 when over a limit."""
+        key = identity.key
+        if key is None:
+            return
+        limit = key.spec.max_concurrency
+        if limit is not None and key.in_flight >= limit:
+            raise RateLimited(
+                f"Concurrency limit of {limit} requests reached for this key.",
+                retry_after_s=1.0,
+                code="concurrency_limit_exceeded",
+            )
+        if key.bucket is not None:
+            wait = key.bucket.wait_for(estimated_tokens)
+            if wait > 0:
+                raise RateLimited(
+                    f"Tokens-per-minute limit of {key.spec.tokens_per_minute} reached for this "
+                    f"key; retry in {math.ceil(wait)} s.",
+                    retry_after_s=wait,
+                )
+            key.bucket.charge(estimated_tokens)
+        key.in_flight += 1
+
+    @staticmethod
+    def release(identity: Identity, estimated_tokens: float, used_tokens: int | None) -> None:
+        """Give the slot back and correct the token charge with what was really used."""
+        key = identity.key
+        if key is None:
+            return
+        key.in_flight -= 1
+        if key.bucket is not None and used_tokens is not None:
+            key.bucket.charge(used_tokens - estimated_tokens)
