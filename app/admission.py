@@ -100,7 +100,7 @@ class AdmissionController:
         if slope <= 0:
             return limit
         fits = (self._tpot_target * self._settings.ttft_headroom - decode.intercept) / slope
-        return max(1, min(limit, math.floor(fits)))
+        return max(1, min(limit, math.floor(fits + 1e-9)))
 
     def _busy(self, worker: Worker) -> int:
         return worker.in_flight + sum(1 for c in self._reserved.values() if c.worker is worker)

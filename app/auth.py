@@ -47,10 +47,10 @@ class TokenBucket:
         self._at = now
         return self._level
 
-    def wait_for(self, tokens: float) -> float:
-        """Seconds until ``tokens`` could be charged; 0 when the bucket is not in debt."""
+    def wait(self) -> float:
+        """Seconds until the bucket is out of debt (0 when it is not): when a charge may go."""
         level = self.level
-        return 0.0 if level > 0 else (min(tokens, self.capacity) - level) / self.rate
+        return 0.0 if level > 0 else (1.0 - level) / self.rate
 
     def charge(self, tokens: float) -> None:
         """Take ``tokens`` (negative to give back)."""
@@ -158,7 +158,7 @@ class Authenticator:
                 code="concurrency_limit_exceeded",
             )
         if key.bucket is not None:
-            wait = key.bucket.wait_for(estimated_tokens)
+            wait = key.bucket.wait()
             if wait > 0:
                 raise RateLimited(
                     f"Tokens-per-minute limit of {key.spec.tokens_per_minute} reached for this "

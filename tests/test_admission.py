@@ -1,0 +1,310 @@
+"""Admission, keys and goodput on a fake clock: order, deadlines, shedding, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.admission import AdmissionController, Ticket
+from app.auth import Authenticator, TokenBucket
+from app.errors import (
+    AuthenticationFailed,
+    Overloaded,
+    QueueTimeout,
+    RateLimited,
+    Shed,
+    TierNotAllowed,
+)
+from app.goodput import GoodputTracker, slo_result
+from app.metrics import GatewayMetrics
+from app.routing import Router
+from app.settings import Settings, TierSpec
+from app.timing import TimingSummary
+from app.workers import WorkerPool
+from tests.fake_upstream import MODEL
+from tests.servers import settings_for
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 500.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class NoDns:
+    async def resolve(self, host: str) -> list[str]:
+        return []
+
+
+def _controller(
+    clock: FakeClock, **overrides: object
+) -> tuple[AdmissionController, WorkerPool, GatewayMetrics, Settings]:
+    settings = settings_for("http://a:1", **overrides)
+    metrics = GatewayMetrics(settings)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    pool = WorkerPool(settings, client, metrics, clock, NoDns())
+    worker = pool.workers["a:1"]
+    worker.up = True
+    worker.models = {MODEL}
+    worker.cards = {MODEL: {"id": MODEL}}
+    load_fresh(worker, clock)
+    router = Router(settings, pool)
+    return AdmissionController(settings, pool, router, metrics, clock), pool, metrics, settings
+
+
+def load_fresh(worker: object, clock: FakeClock) -> None:
+    from app.loadsignals import LoadSample
+
+    worker.load = LoadSample(0, 0, 0.0, clock.now)  # type: ignore[attr-defined]
+
+
+def _tier(settings: Settings, name: str) -> TierSpec:
+    return next(t for t in settings.tiers if t.name == name)
+
+
+def _ticket(settings: Settings, clock: FakeClock, tier: str, tokens: float = 10) -> Ticket:
+    return Ticket(_tier(settings, tier), MODEL, tokens, None, clock.now)
+
+
+def _decisions(metrics: GatewayMetrics, tier: str, decision: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "gateway_admission_decisions_total", {"tier": tier, "decision": decision}
+    )
+    return value or 0.0
+
+
+async def test_idle_worker_admits_at_once_and_the_cap_follows_the_decode_model() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    choice, waited = await admission.admit(_ticket(settings, clock, "interactive"))
+    assert choice.worker is worker
+    assert waited == 0.0
+    # Prior decode model: 20 ms + 1 ms per sequence; strictest TPOT target 100 ms x 0.8.
+    assert admission.cap(worker) == 60
+    for running in range(1, 40):  # learn a worker whose steps slow by 4 ms per sequence
+        worker.latency.observe_tpot(running, 0.01 + 0.004 * running)
+    assert admission.cap(worker) == pytest.approx(17, abs=1)
+    assert _decisions(metrics, "interactive", "admitted") == 1
+
+
+async def test_full_worker_queues_by_tier_then_deadline_and_dispatches_when_freed() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)
+    worker = pool.workers["a:1"]
+    worker.in_flight = 1  # the only slot is taken
+    order: list[str] = []
+
+    async def run(name: str, tier: str) -> None:
+        await admission.admit(_ticket(settings, clock, tier))
+        order.append(name)
+        worker.in_flight += 1  # what the relay's attempt does
+
+    tasks = []
+    for name, tier in [("b1", "batch"), ("s1", "standard"), ("i1", "interactive"),
+                       ("s2", "standard")]:  # fmt: skip
+        tasks.append(asyncio.create_task(run(name, tier)))
+        await asyncio.sleep(0)
+        clock.now += 0.01
+    await asyncio.sleep(0)
+    assert metrics.registry.get_sample_value("gateway_queue_depth", {"tier": "standard"}) == 2
+    for _ in range(4):
+        worker.in_flight -= 1
+        admission.completed()
+        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)
+    await asyncio.gather(*tasks)
+    assert order == ["i1", "s1", "s2", "b1"]
+    assert _decisions(metrics, "batch", "queued") == 1
+
+
+async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)
+    pool.workers["a:1"].in_flight = 1
+    task = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
+    await asyncio.sleep(0)
+    clock.now += 5.0
+    admission._dispatch()
+    with pytest.raises(QueueTimeout) as caught:
+        await task
+    assert caught.value.status_code == 503
+    assert int(caught.value.headers()["retry-after"]) >= 1
+    assert _decisions(metrics, "interactive", "expired") == 1
+
+
+async def test_a_request_that_cannot_meet_its_ttft_even_by_waiting_is_rejected_429() -> None:
+    clock = FakeClock()
+    admission, _, metrics, settings = _controller(clock)
+    # 50k tokens at the prior 0.2 ms/token: 10 s of prefill against a 1 s TTFT target.
+    with pytest.raises(Overloaded) as caught:
+        await admission.admit(_ticket(settings, clock, "interactive", tokens=50_000))
+    assert caught.value.status_code == 429
+    assert "retry-after-ms" in caught.value.headers()
+    assert _decisions(metrics, "interactive", "rejected") == 1
+    # The same prompt fits the batch tier's 60 s target.
+    await admission.admit(_ticket(settings, clock, "batch", tokens=50_000))
+
+
+async def test_retry_after_follows_the_observed_drain_rate() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock, max_running_per_worker=1)
+    pool.workers["a:1"].in_flight = 1
+    for _ in range(21):  # 2 requests/s leave the worker
+        admission.completed()
+        clock.now += 0.5
+    assert admission.drain_rate() == pytest.approx(2.0, rel=0.1)
+    queued = [asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
+              for _ in range(5)]  # fmt: skip
+    await asyncio.sleep(0)
+    # An interactive request that must be rejected has the 5 batch requests behind it, not
+    # ahead: Retry-After ~ 1 / 2 per s.
+    assert admission._retry_after(_ticket(settings, clock, "interactive")) == pytest.approx(0.5)
+    assert admission._retry_after(_ticket(settings, clock, "batch")) == pytest.approx(3.0)
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_full_queue_sheds_sheddable_work_and_cancelled_requests_leave() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(
+        clock, max_running_per_worker=1, max_queue_length=2
+    )
+    pool.workers["a:1"].in_flight = 1
+    b1 = asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
+    s1 = asyncio.create_task(admission.admit(_ticket(settings, clock, "standard")))
+    await asyncio.sleep(0)
+    i1 = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
+    await asyncio.sleep(0)
+    with pytest.raises(Shed) as caught:
+        await b1
+    assert caught.value.headers()["x-gateway-shed"] == "true"
+    # Nothing sheddable is left: another standard request is rejected outright.
+    with pytest.raises(Overloaded):
+        await admission.admit(_ticket(settings, clock, "standard"))
+    s1.cancel()
+    await asyncio.gather(s1, return_exceptions=True)
+    assert _decisions(metrics, "standard", "cancelled") == 1
+    assert metrics.registry.get_sample_value("gateway_queue_depth", {"tier": "standard"}) == 0
+    i1.cancel()
+    await asyncio.gather(i1, return_exceptions=True)
+
+
+async def test_admission_off_relays_everything_at_once() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock, admission=False, max_running_per_worker=1)
+    pool.workers["a:1"].in_flight = 50
+    choice, waited = await admission.admit(_ticket(settings, clock, "interactive", 50_000))
+    assert choice.worker.label == "a:1"
+    assert waited == 0.0
+
+
+def _key(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def test_keys_map_to_tiers_and_may_only_ask_for_lower_ones(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps([{"sha256": _key("batch-key"), "tier": "batch"}]))
+    settings = settings_for(
+        "http://a:1",
+        api_keys=[{"sha256": _key("chat-key"), "tier": "interactive", "name": "chat-app"}],
+        api_keys_file=str(keys_file),
+    )
+    auth = Authenticator(settings, FakeClock())
+    assert auth.enabled
+    assert auth.identify("Bearer chat-key", None).tier.name == "interactive"
+    assert auth.identify("Bearer chat-key", "batch").tier.name == "batch"
+    assert auth.identify("bearer batch-key", None).tier.name == "batch"
+    with pytest.raises(TierNotAllowed) as caught:
+        auth.identify("Bearer batch-key", "interactive")
+    assert caught.value.status_code == 403
+    for header in (None, "Bearer wrong-key", "Basic chat-key"):
+        with pytest.raises(AuthenticationFailed) as failed:
+            auth.identify(header, None)
+        assert failed.value.status_code == 401
+        assert "chat-key" not in failed.value.message
+    # Without keys everything runs in the default tier; lower tiers may be asked for.
+    open_auth = Authenticator(settings_for("http://a:1"), FakeClock())
+    assert open_auth.identify(None, None).tier.name == "standard"
+    assert open_auth.identify(None, "batch").tier.name == "batch"
+    with pytest.raises(TierNotAllowed):
+        open_auth.identify(None, "interactive")
+
+
+def test_per_key_concurrency_and_tokens_per_minute() -> None:
+    clock = FakeClock()
+    settings = settings_for(
+        "http://a:1",
+        api_keys=[{"sha256": _key("k"), "max_concurrency": 2, "tokens_per_minute": 600}],
+    )
+    auth = Authenticator(settings, clock)
+    me = auth.identify("Bearer k", None)
+    auth.acquire(me, 100)
+    auth.acquire(me, 100)
+    with pytest.raises(RateLimited) as caught:
+        auth.acquire(me, 100)
+    assert caught.value.code == "concurrency_limit_exceeded"
+    auth.release(me, 100, 100)
+    auth.release(me, 100, 800)  # used far more than estimated: 700 more tokens owed
+    # 600 - 200 - 700 = -300 tokens: at 10 tokens/s the key is out of debt in ~30 s.
+    with pytest.raises(RateLimited) as limited:
+        auth.acquire(me, 50)
+    assert limited.value.retry_after_s == pytest.approx(30.1)
+    assert limited.value.headers()["retry-after"] == "31"
+    clock.now += 20
+    with pytest.raises(RateLimited):
+        auth.acquire(me, 50)
+    clock.now += 11
+    auth.acquire(me, 50)
+
+
+def test_token_bucket_refills_to_capacity_only() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(60, clock)
+    bucket.charge(90)
+    assert bucket.level == pytest.approx(-30)
+    assert bucket.wait() == pytest.approx(31)
+    clock.now += 1000
+    assert bucket.level == pytest.approx(60)
+
+
+def test_slo_results_and_goodput_ratio() -> None:
+    clock = FakeClock()
+    settings = settings_for("http://a:1")
+    interactive = _tier(settings, "interactive")
+    batch = _tier(settings, "batch")
+
+    def timing(ttft: float, tpot: float | None, e2e: float = 2.0) -> TimingSummary:
+        return TimingSummary(0.0, ttft, e2e, tpot, [], 10, 0.0)
+
+    assert slo_result(interactive, timing(0.5, 0.05), 10, True) == "met"
+    assert slo_result(interactive, timing(1.5, 0.05), 10, True) == "missed_ttft"
+    assert slo_result(interactive, timing(0.5, 0.15), 10, True) == "missed_tpot"
+    assert slo_result(interactive, timing(1.5, 0.15), 10, True) == "missed_both"
+    assert slo_result(batch, timing(30, 5.0), 10, True) == "met"  # batch has no TPOT target
+    # Non-streamed: 1 s + 9 x 0.1 s budget.
+    assert slo_result(interactive, timing(0, None, e2e=1.8), 10, False) == "met"
+    assert slo_result(interactive, timing(0, None, e2e=2.0), 10, False) == "missed_ttft"
+    metrics = GatewayMetrics(settings)
+    tracker = GoodputTracker(metrics, settings.tiers, clock, window_s=60)
+    for result in ("met", "met", "met", "missed_ttft", "rejected"):
+        tracker.record(MODEL, "interactive", result, 10)
+    assert tracker.ratio("interactive") == pytest.approx(0.6)
+    clock.now += 61
+    tracker.record(MODEL, "interactive", "met", 10)
+    assert tracker.ratio("interactive") == 1.0
+    tracker.export()
+    sample = metrics.registry.get_sample_value
+    assert sample("gateway_goodput_ratio", {"tier": "interactive"}) == 1.0
+    assert sample("gateway_goodput_tokens_total", {"model": MODEL, "tier": "interactive"}) == 40
+    assert sample("gateway_tier_slo_ttft_seconds", {"tier": "interactive"}) == 1.0
+    assert sample("gateway_tier_slo_tpot_seconds", {"tier": "batch"}) is None
