@@ -405,6 +405,7 @@ class Relay(Response):
                 if tokens is not None:
                     metrics.worker_completion_tokens.labels(label).inc(tokens[1])
                     deps.sizer.observe(model, self._request.size, tokens[0])
+                    deps.pool.record_tokens(attempt.worker, *tokens)
                 if self._outcome == "ok" and summary.tpot_s is not None:
                     running = (attempt.running + attempt.worker.in_flight + 1) / 2
                     attempt.worker.latency.observe_tpot(running, summary.tpot_s)

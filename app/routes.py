@@ -101,7 +101,7 @@ async def readyz(state: State) -> JSONResponse:
 @router.get("/metrics", response_model=None)
 async def metrics(state: State) -> PlainTextResponse:
     """Prometheus exposition of the gateway's metrics."""
-    state.metrics.set_load_age(state.pool.now())
+    state.pool.export()
     state.goodput.export()
     return PlainTextResponse(
         generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST

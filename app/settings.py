@@ -28,6 +28,24 @@ OVERHEAD_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 
+class Hardware(BaseModel):
+    """What bounds a worker's decode speed: memory bandwidth against bytes read per step."""
+
+    memory_bandwidth_gbs: float = Field(gt=0, description="Accelerator memory bandwidth, GB/s.")
+    model_params_billion: float = Field(gt=0, description="Parameters of the served model.")
+    dtype_bytes: float = Field(default=2.0, gt=0, description="Bytes per weight (bf16: 2).")
+    kv_bytes_per_token: float = Field(
+        default=131072.0,
+        ge=0,
+        description="KV-cache bytes per token: 2 x layers x kv_heads x head_dim x dtype bytes.",
+    )
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of weights read by every decode step."""
+        return self.model_params_billion * 1e9 * self.dtype_bytes
+
+
 class WorkerSpec(BaseModel):
     """One vLLM worker: its base URL (without ``/v1``) and, optionally, what it serves."""
 
@@ -40,6 +58,9 @@ class WorkerSpec(BaseModel):
         description="Models to route here before /v1/models has been read from the worker.",
     )
     api_key: str | None = Field(default=None, description="Bearer key the worker requires.")
+    hardware: Hardware | None = Field(
+        default=None, description="Overrides the gateway-wide roofline figures for this worker."
+    )
 
     @property
     def base_url(self) -> str:
@@ -205,6 +226,11 @@ class Settings(BaseSettings):
     )
     max_running_per_worker: int = Field(
         default=256, ge=1, description="Hard cap on a worker's concurrent requests."
+    )
+    hardware: Hardware | None = Field(
+        default=None,
+        description="Roofline figures (JSON: memory_bandwidth_gbs, model_params_billion, "
+        "dtype_bytes, kv_bytes_per_token) for the decode-bandwidth panel; none disables it.",
     )
     access_log: bool = Field(default=True, description="One log line per finished request.")
     log_level: str = Field(default="info", description="Python logging level.")

@@ -49,6 +49,8 @@ class Worker:
         self.last_ejected: float | None = None
         self.load: LoadSample | None = None
         self.latency = LatencyModel()
+        self.context_tokens = 0.0
+        """Running average of prompt + completion tokens per request (for the roofline)."""
         self._busy: set[str] = set()
 
     @property
@@ -172,6 +174,24 @@ class WorkerPool:
     def now(self) -> float:
         """The pool's clock."""
         return self._clock()
+
+    def export(self) -> None:
+        """Refresh the gauges that depend on time or on several figures (before an export)."""
+        now = self._clock()
+        self._metrics.set_load_age(now)
+        for worker in self.workers.values():
+            hardware = worker.spec.hardware or self.settings.hardware
+            if hardware is not None:
+                load, _ = worker.current_load(now, self.settings.load_max_age_s)
+                # Sequences are on average half-way through their answers.
+                context = max(1.0, worker.context_tokens / 2)
+                self._metrics.set_roofline(worker.label, hardware, load.running, context)
+
+    def record_tokens(self, worker: Worker, prompt: int, completion: int) -> None:
+        """Learn a worker's typical context length from a finished request's usage."""
+        total = float(prompt + completion)
+        old = worker.context_tokens
+        worker.context_tokens = total if old == 0 else old + 0.05 * (total - old)
 
     # Passive health -----------------------------------------------------------------------
 
