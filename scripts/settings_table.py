@@ -1,4 +1,4 @@
-"""Print the README configuration table from the settings model (`python -m scripts.settings_table`)."""
+"""Print the README configuration table (`python -m scripts.settings_table`)."""
 
 from __future__ import annotations
 
