@@ -1,0 +1,599 @@
+"""A fixed-timing, OpenAI-compatible streaming worker that costs next to no CPU.
+
+It stands in for vLLM when measuring what the gateway adds: token ``i`` (0-based) of a stream is
+written at ``t0 + ttft + i * itl``, where ``t0`` is when the request was fully read. Every write
+is a timer callback scheduled at an absolute ``loop.call_at`` deadline, so lateness never
+accumulates, and the HTTP/1.1 server is a bare ``asyncio.Protocol`` (on uvloop when installed):
+no framework, no per-token coroutine, no JSON encoding on the token path.
+
+The SSE events copy vLLM's byte for byte (compact JSON, ``data: ...\\n\\n``, one HTTP chunk per
+event): a role-only chunk right before the first token, one token per chunk, the last token
+carrying ``finish_reason``, an optional usage chunk, then ``data: [DONE]``.
+
+Run ``python -m bench.fake_worker --port 8100 --ttft-ms 20 --itl-ms 10 --tokens 32``, or start it
+inside a test with :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+_MAX_HEAD: Final = 64 * 1024
+_MAX_BODY: Final = 8 * 1024 * 1024
+_REASONS: Final = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+}
+_DONE: Final = b"data: [DONE]\n\n"
+_CHUNK_END: Final = b"\r\n"
+_LAST_CHUNK: Final = b"0\r\n\r\n"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """The worker's fixed behaviour."""
+
+    ttft_ms: float = 20.0
+    """Request fully read to first token (and the role chunk just before it)."""
+    itl_ms: float = 10.0
+    """Between consecutive tokens."""
+    tokens: int = 32
+    """Tokens per response when the request sets no ``max_tokens``."""
+    model: str = "fake-model"
+    max_model_len: int = 1024
+    max_num_seqs: int = 256
+    """Capacity behind ``vllm:kv_cache_usage_perc``: running requests / this."""
+
+
+def token_text(i: int) -> str:
+    """The text of token ``i``: never empty, never starting with a quote, JSON-safe as is."""
+    return f" tok{i}"
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """A deterministic stand-in for the prompt's token count: its whitespace-separated words."""
+    words = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                words += len(content.split())
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        words += len(part["text"].split())
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        words += len(prompt.split())
+    elif isinstance(prompt, list):
+        words += sum(len(p.split()) if isinstance(p, str) else 1 for p in prompt)
+    return max(1, words)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _chunk(payload: bytes) -> bytes:
+    """``payload`` framed as one HTTP/1.1 chunk."""
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
+    """The error body vLLM sends."""
+    return _dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})
+
+
+class WorkerStats:
+    """Counters shared by every connection of one worker (read by ``/metrics`` and tests)."""
+
+    __slots__ = ("cancelled", "completed", "connections", "running", "started")
+
+    def __init__(self) -> None:
+        self.connections = 0
+        """TCP connections accepted: shows whether a client reuses keep-alive connections."""
+        self.running = 0
+        """Generations in flight (streamed or not)."""
+        self.started = 0
+        self.completed = 0
+        self.cancelled = 0
+        """Generations stopped because the client went away."""
+
+
+class _Stream:
+    """One generation's timer chain; each tick writes one event and schedules the next."""
+
+    __slots__ = (
+        "_chat",
+        "_created",
+        "_done_cb",
+        "_handle",
+        "_head",
+        "_i",
+        "_include_usage",
+        "_itl",
+        "_loop",
+        "_model",
+        "_n",
+        "_prompt",
+        "_rid",
+        "_t_first",
+        "_tail",
+        "_tail_last",
+        "_transport",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        transport: asyncio.Transport,
+        *,
+        chat: bool,
+        rid: str,
+        model_json: str,
+        n: int,
+        prompt: int,
+        include_usage: bool,
+        t_first: float,
+        itl: float,
+        done_cb: Callable[[bool], None],
+    ) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._chat = chat
+        self._rid = rid
+        self._model = model_json
+        self._created = int(time.time())
+        self._n = n
+        self._prompt = prompt
+        self._include_usage = include_usage
+        self._t_first = t_first
+        self._itl = itl
+        self._done_cb = done_cb
+        self._i = 0
+        # Everything around the token text is fixed for the stream: build it once.
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        prefix = (
+            f'{{"id":"{rid}","object":"{obj}","created":{self._created},'
+            f'"model":{model_json},"choices":[{{"index":0,'
+        )
+        if chat:
+            self._head = (prefix + '"delta":{"content":').encode()
+            self._tail = b'},"logprobs":null,"finish_reason":null}]}'
+            self._tail_last = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}'
+        else:
+            self._head = (prefix + '"text":').encode()
+            self._tail = b',"logprobs":null,"finish_reason":null}]}'
+            self._tail_last = b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}'
+        self._handle: asyncio.TimerHandle | None = loop.call_at(t_first, self._tick)
+
+    def _tick(self) -> None:
+        transport = self._transport
+        if transport.is_closing():
+            self.cancel()
+            return
+        i = self._i
+        if i == 0 and self._chat:
+            role = (
+                f'{{"id":"{self._rid}","object":"chat.completion.chunk","created":{self._created},'
+                f'"model":{self._model},"choices":[{{"index":0,"delta":{{"role":"assistant",'
+                f'"content":""}},"logprobs":null,"finish_reason":null}}]}}'
+            ).encode()
+            transport.write(_chunk(b"data: " + role + b"\n\n"))
+        last = i == self._n - 1
+        text = _dumps(token_text(i))
+        event = b"data: " + self._head + text + (self._tail_last if last else self._tail) + b"\n\n"
+        transport.write(_chunk(event))
+        if not last:
+            self._i = i + 1
+            # Absolute deadlines: a late tick does not push back the ones after it.
+            self._handle = self._loop.call_at(self._t_first + self._i * self._itl, self._tick)
+            return
+        self._handle = None
+        if self._include_usage:
+            obj = "chat.completion.chunk" if self._chat else "text_completion"
+            usage = (
+                f'{{"id":"{self._rid}","object":"{obj}","created":{self._created},'
+                f'"model":{self._model},"choices":[],"usage":{{"prompt_tokens":{self._prompt},'
+                f'"total_tokens":{self._prompt + self._n},"completion_tokens":{self._n}}}}}'
+            ).encode()
+            transport.write(_chunk(b"data: " + usage + b"\n\n"))
+        transport.write(_chunk(_DONE) + _LAST_CHUNK)
+        self._done_cb(True)
+
+    def cancel(self) -> None:
+        """Stop generating (the client is gone)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+            self._done_cb(False)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; requests are answered one at a time, in order."""
+
+    def __init__(self, worker: FakeWorker) -> None:
+        self._worker = worker
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._busy = False
+        self._keep_alive = True
+        self._stream: _Stream | None = None
+        self._delayed: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+        self._worker.stats.connections += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        if self._delayed is not None:
+            self._delayed.cancel()
+            self._delayed = None
+            self._finish_generation(completed=False)
+        self._transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if not self._busy:
+            self._parse()
+
+    def _parse(self) -> None:
+        """Handle every complete request in the buffer until one has to wait for its tokens."""
+        while not self._busy and self._transport is not None:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > _MAX_HEAD:
+                    self._reply_and_close(431, "request head too large")
+                return
+            try:
+                method, target, version, headers = _parse_head(bytes(self._buf[:end]))
+            except ValueError as exc:
+                self._reply_and_close(400, str(exc))
+                return
+            body_start = end + 4
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                decoded = _dechunk(self._buf, body_start)
+                if decoded is None:
+                    return
+                body, consumed = decoded
+            else:
+                try:
+                    length = int(headers.get("content-length", "0"))
+                except ValueError:
+                    self._reply_and_close(400, "bad content-length")
+                    return
+                if length > _MAX_BODY:
+                    self._reply_and_close(413, "body too large")
+                    return
+                if len(self._buf) < body_start + length:
+                    return
+                body = bytes(self._buf[body_start : body_start + length])
+                consumed = body_start + length
+            del self._buf[:consumed]
+            connection = headers.get("connection", "").lower()
+            if version == "HTTP/1.0":
+                self._keep_alive = connection == "keep-alive"
+            else:
+                self._keep_alive = connection != "close"
+            self._dispatch(method, target.split("?", 1)[0], body)
+
+    def _dispatch(self, method: str, path: str, body: bytes) -> None:
+        worker = self._worker
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            if method != "POST":
+                self._reply(405, _error(405, "Method Not Allowed", "BadRequestError"))
+                return
+            self._generate(path == "/v1/chat/completions", body)
+        elif path == "/health":
+            self._reply(200, b"", content_type=None)
+        elif path == "/v1/models":
+            self._reply(200, worker.models_body)
+        elif path == "/metrics":
+            self._reply(200, worker.metrics_text(), content_type="text/plain; version=0.0.4")
+        else:
+            self._reply(404, _error(404, "Not Found", "NotFoundError"))
+
+    def _generate(self, chat: bool, raw: bytes) -> None:
+        worker = self._worker
+        cfg = worker.config
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+        except ValueError as exc:
+            self._reply(400, _error(400, f"invalid JSON body: {exc}", "BadRequestError"))
+            return
+        model = body.get("model", cfg.model)
+        if model != cfg.model:
+            message = f"The model `{model}` does not exist."
+            self._reply(404, _error(404, message, "NotFoundError", "model"))
+            return
+        n = body.get("max_completion_tokens") if chat else None
+        if n is None:
+            n = body.get("max_tokens")
+        if n is None:
+            n = cfg.tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            self._reply(400, _error(400, "max_tokens must be at least 1", "BadRequestError"))
+            return
+        prompt = prompt_tokens(body)
+        if prompt + n > cfg.max_model_len:
+            message = (
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                f"you requested {prompt + n} tokens ({prompt} in the messages, {n} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+            self._reply(400, _error(400, message, "BadRequestError"))
+            return
+        stream = body.get("stream") is True
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        rid = ("chatcmpl-" if chat else "cmpl-") + worker.next_id()
+        t0 = self._loop.time()
+        t_first = t0 + cfg.ttft_ms / 1000.0
+        itl = cfg.itl_ms / 1000.0
+        self._busy = True
+        worker.stats.running += 1
+        worker.stats.started += 1
+        if stream:
+            assert self._transport is not None
+            self._transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
+                + (b"" if self._keep_alive else b"connection: close\r\n")
+                + b"\r\n"
+            )
+            self._stream = _Stream(
+                self._loop,
+                self._transport,
+                chat=chat,
+                rid=rid,
+                model_json=json.dumps(cfg.model),
+                n=n,
+                prompt=prompt,
+                include_usage=include_usage,
+                t_first=t_first,
+                itl=itl,
+                done_cb=self._stream_done,
+            )
+            return
+        text = "".join(token_text(i) for i in range(n))
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n}
+        choice: dict[str, Any]
+        if chat:
+            reply = {"role": "assistant", "content": text, "tool_calls": []}
+            choice = {"index": 0, "message": reply}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+        payload = _dumps(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": cfg.model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
+        self._delayed = self._loop.call_at(t_first + (n - 1) * itl, self._nonstream_done, payload)
+
+    def _nonstream_done(self, payload: bytes) -> None:
+        self._delayed = None
+        self._finish_generation(completed=True)
+        self._busy = False
+        self._reply(200, payload)
+        if self._buf:
+            self._parse()  # a pipelined request arrived meanwhile
+
+    def _stream_done(self, completed: bool) -> None:
+        self._stream = None
+        self._finish_generation(completed=completed)
+        if not completed:
+            return
+        self._busy = False
+        if not self._keep_alive:
+            if self._transport is not None:
+                self._transport.close()
+            return
+        if self._buf:
+            self._parse()  # a pipelined request arrived meanwhile
+
+    def _finish_generation(self, *, completed: bool) -> None:
+        stats = self._worker.stats
+        stats.running -= 1
+        if completed:
+            stats.completed += 1
+        else:
+            stats.cancelled += 1
+
+    def _reply(
+        self, status: int, body: bytes, *, content_type: str | None = "application/json"
+    ) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+        if content_type is not None:
+            head += f"content-type: {content_type}\r\n"
+        head += f"content-length: {len(body)}\r\n"
+        if not self._keep_alive:
+            head += "connection: close\r\n"
+        transport.write(head.encode() + b"\r\n" + body)
+        if not self._keep_alive:
+            transport.close()
+
+    def _reply_and_close(self, status: int, message: str) -> None:
+        self._keep_alive = False
+        self._reply(status, _error(status, message, "BadRequestError"))
+        self._buf.clear()
+
+
+def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
+    """Request line and headers (names lower-cased; a repeated header keeps the last value)."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise ValueError("bad request line")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise ValueError("bad header line")
+        headers[name.strip().lower()] = value.strip()
+    return parts[0], parts[1], parts[2], headers
+
+
+def _dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
+    """A chunked body starting at ``start``: (body, end offset), or None while incomplete."""
+    body = bytearray()
+    pos = start
+    while True:
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        try:
+            size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
+        except ValueError as exc:
+            raise ValueError("bad chunk size") from exc
+        pos = eol + 2
+        if size == 0:
+            # Trailers (rarely sent) end at an empty line.
+            end = buf.find(b"\r\n\r\n", pos - 2)
+            if end < 0:
+                return None
+            return bytes(body), end + 4
+        if len(buf) < pos + size + 2:
+            return None
+        body += buf[pos : pos + size]
+        pos += size + 2
+        if len(body) > _MAX_BODY:
+            raise ValueError("body too large")
+
+
+class FakeWorker:
+    """The fake worker: its config, its counters, and the server factory."""
+
+    def __init__(self, config: WorkerConfig | None = None) -> None:
+        self.config = config or WorkerConfig()
+        self.stats = WorkerStats()
+        self._ids = itertools.count()
+        self._id_prefix = secrets.token_hex(6)
+        cfg = self.config
+        card = {
+            "id": cfg.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": cfg.model,
+            "parent": None,
+            "max_model_len": cfg.max_model_len,
+        }
+        self.models_body = _dumps({"object": "list", "data": [card]})
+
+    def next_id(self) -> str:
+        """A unique request id suffix (cheaper than a uuid per request)."""
+        return f"{self._id_prefix}{next(self._ids):08x}"
+
+    def metrics_text(self) -> bytes:
+        """The three vLLM gauges the gateway reads, for this worker's in-flight generations.
+
+        Also ``fake_worker_connections_total``, which the overhead benchmark reads.
+        """
+        cfg = self.config
+        running = self.stats.running
+        kv = min(1.0, running / cfg.max_num_seqs)
+        label = f'{{model_name="{cfg.model}"}}'
+        return (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{label} {float(running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{label} 0.0\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{label} {kv}\n"
+            "# HELP fake_worker_connections_total TCP connections accepted.\n"
+            "# TYPE fake_worker_connections_total counter\n"
+            f"fake_worker_connections_total {self.stats.connections}\n"
+        ).encode()
+
+    async def serve(self, host: str, port: int) -> asyncio.Server:
+        """Listen on ``host:port`` (0 picks a free port) on the running loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.create_server(lambda: _Connection(self), host, port, backlog=1024)
+
+
+async def serve(host: str, port: int, cfg: WorkerConfig | None = None) -> asyncio.Server:
+    """Start a :class:`FakeWorker` on the running loop; close the returned server to stop it."""
+    return await FakeWorker(cfg).serve(host, port)
+
+
+def bound_port(server: asyncio.Server) -> int:
+    """The TCP port ``server`` listens on (useful after asking for port 0)."""
+    port: int = server.sockets[0].getsockname()[1]
+    return port
+
+
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100, help="0 picks a free port")
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument("--itl-ms", type=float, default=10.0)
+    parser.add_argument("--tokens", type=int, default=32, help="when max_tokens is not given")
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    return parser.parse_args(argv)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    cfg = WorkerConfig(
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        tokens=args.tokens,
+        model=args.model,
+        max_model_len=args.max_model_len,
+    )
+    server = await serve(args.host, args.port, cfg)
+    # The benchmark reads this line to learn the port when it passed --port 0.
+    print(f"fake_worker listening on http://{args.host}:{bound_port(server)}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    args = _parse_args(argv)
+    run: Callable[..., Any] = asyncio.run
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        run = uvloop.run
+    with contextlib.suppress(KeyboardInterrupt):
+        run(_main(args))
+
+
+if __name__ == "__main__":
+    main()

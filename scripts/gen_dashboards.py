@@ -1,0 +1,930 @@
+"""Generate the Grafana dashboards in grafana/dashboards/ from the definitions below.
+
+Run ``python -m scripts.gen_dashboards`` after changing a panel and commit the JSON it writes;
+``python -m scripts.gen_dashboards --check`` exits non-zero when the committed JSON is stale
+(tests/ops/test_grafana.py checks the same).
+
+Every query uses only the gateway's metric contract (``gateway_*``) and, on the Workers
+dashboard, vLLM's own ``vllm:*`` series. Panels reach Prometheus through the ``$datasource``
+variable, so the same JSON works with the provisioned data source (docker compose) and with
+whatever Prometheus data source a cluster's Grafana has (Kubernetes ConfigMap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+Json = dict[str, Any]
+
+DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "grafana" / "dashboards"
+DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+QUANTILES = (0.5, 0.95, 0.99)
+
+# Label filters driven by the template variables.
+MT = 'model=~"$model",tier=~"$tier"'
+T = 'tier=~"$tier"'
+M = 'model=~"$model"'
+W = 'worker=~"$worker"'
+VW = 'worker=~"$worker",model_name=~"$model"'
+
+
+def target(ref: str, expr: str, legend: str, instant: bool = False) -> Json:
+    """One Prometheus query of a panel."""
+    return {
+        "datasource": DATASOURCE,
+        "editorMode": "code",
+        "expr": expr,
+        "legendFormat": legend,
+        "range": not instant,
+        "instant": instant,
+        "refId": ref,
+    }
+
+
+def refs(exprs: list[tuple[str, str]], instant: bool = False) -> list[Json]:
+    """Targets A, B, C, ... from ``(expr, legend)`` pairs."""
+    return [
+        target(chr(ord("A") + i), expr, legend, instant) for i, (expr, legend) in enumerate(exprs)
+    ]
+
+
+def quantiles(
+    metric: str, matchers: str, by: str, legend: str, qs: tuple[float, ...] = QUANTILES
+) -> list[tuple[str, str]]:
+    """``histogram_quantile`` of a histogram for each quantile in ``qs``."""
+    return [
+        (
+            f"histogram_quantile({q}, sum by (le, {by}) "
+            f"(rate({metric}_bucket{{{matchers}}}[{RATE}])))",
+            f"p{round(q * 100)} {legend}",
+        )
+        for q in qs
+    ]
+
+
+def share(metric: str, part: str, matchers: str, by: str, window: str = RATE) -> str:
+    """The share of ``metric``'s rate whose series match ``part``, per ``by``.
+
+    The ``or ... * 0`` arm gives 0 (not "no value") when no series matches ``part`` yet.
+    """
+    whole = f"sum by ({by}) (rate({metric}{{{matchers}}}[{window}]))"
+    return (
+        f"(sum by ({by}) (rate({metric}{{{matchers},{part}}}[{window}])) or {whole} * 0) / {whole}"
+    )
+
+
+def panel(
+    kind: str,
+    title: str,
+    description: str,
+    targets: list[Json],
+    unit: str = "short",
+    width: int = 12,
+    height: int = 8,
+    stack: bool = False,
+    minimum: float | None = 0,
+    maximum: float | None = None,
+    thresholds: list[tuple[str, float | None]] | None = None,
+    overrides: list[Json] | None = None,
+) -> Json:
+    """A panel without position; ``layout`` places it."""
+    defaults: Json = {"unit": unit}
+    if minimum is not None:
+        defaults["min"] = minimum
+    if maximum is not None:
+        defaults["max"] = maximum
+    if thresholds:
+        defaults["thresholds"] = {
+            "mode": "absolute",
+            "steps": [{"color": color, "value": value} for color, value in thresholds],
+        }
+    options: Json
+    if kind == "timeseries":
+        defaults["custom"] = {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 20 if stack else 0,
+            "showPoints": "never",
+            "spanNulls": False,
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "dashed" if thresholds else "off"},
+        }
+        options = {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        }
+    elif kind == "stat":
+        defaults["color"] = {"mode": "thresholds"}
+        options = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "textMode": "value_and_name",
+            "colorMode": "background" if thresholds else "value",
+            "graphMode": "none",
+            "justifyMode": "auto",
+            "orientation": "auto",
+        }
+    elif kind == "state-timeline":
+        defaults["color"] = {"mode": "thresholds"}
+        options = {"showValue": "auto", "mergeValues": True, "rowHeight": 0.9}
+    else:
+        raise ValueError(f"unknown panel kind {kind}")
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
+        "options": options,
+        "gridPos": {"h": height, "w": width, "x": 0, "y": 0},
+    }
+
+
+def row(title: str) -> Json:
+    """A row header."""
+    return {
+        "type": "row",
+        "title": title,
+        "collapsed": False,
+        "panels": [],
+        "gridPos": {"h": 1, "w": 24, "x": 0, "y": 0},
+    }
+
+
+def layout(panels: list[Json]) -> list[Json]:
+    """Number the panels and flow them left to right, top to bottom, on Grafana's 24 columns."""
+    x = y = line_height = 0
+    for number, item in enumerate(panels, start=1):
+        pos = item["gridPos"]
+        if item["type"] == "row" or x + pos["w"] > 24:
+            y += line_height
+            x = line_height = 0
+        pos["x"], pos["y"] = x, y
+        item["id"] = number
+        x += pos["w"]
+        line_height = max(line_height, pos["h"])
+        if item["type"] == "row":
+            y += pos["h"]
+            x = line_height = 0
+    return panels
+
+
+def datasource_variable() -> Json:
+    """The Prometheus data source every panel uses."""
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "includeAll": False,
+        "multi": False,
+        "options": [],
+        "refresh": 1,
+        "regex": "",
+    }
+
+
+def query_variable(name: str, label: str, metric: str, label_name: str) -> Json:
+    """A multi-value variable listing ``label_name``'s values on ``metric``, with "All"."""
+    definition = f"label_values({metric}, {label_name})"
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": definition,
+        "query": {"qryType": 1, "query": definition, "refId": "PrometheusVariableQueryEditor"},
+        "current": {},
+        "hide": 0,
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "options": [],
+        "refresh": 2,
+        "regex": "",
+        "sort": 1,
+    }
+
+
+def dashboard(
+    uid: str, title: str, description: str, variables: list[Json], panels: list[Json]
+) -> Json:
+    """A whole dashboard."""
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["goodput-gateway", "vllm", "llm-serving"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "weekStart": "",
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "links": [
+            {
+                "type": "dashboards",
+                "tags": ["goodput-gateway"],
+                "asDropdown": False,
+                "includeVars": True,
+                "keepTime": True,
+                "title": "Goodput Gateway",
+            }
+        ],
+        "templating": {"list": [datasource_variable(), *variables]},
+        "panels": layout(panels),
+    }
+
+
+GOODPUT_COLORS: list[tuple[str, float | None]] = [("red", None), ("orange", 0.9), ("green", 0.95)]
+
+
+def overview() -> Json:
+    """Gateway overview: goodput and SLOs first, then latency, traffic, admission, errors."""
+    finished = 'result=~"met|missed_ttft|missed_tpot|missed_both"'
+    slo = "gateway_slo_requests_total"
+    panels = [
+        row("Goodput and SLO attainment"),
+        panel(
+            "stat",
+            "Goodput per tier (5m)",
+            "Share of requests that met every SLO of their tier (TTFT and, where the tier has "
+            "one, TPOT), over all finished plus rejected requests, in the last 5 minutes. "
+            "Rejected and errored requests count as misses.",
+            refs([(share(slo, 'result="met"', MT, "tier", "5m"), "{{tier}}")], instant=True),
+            unit="percentunit",
+            width=8,
+            minimum=0,
+            maximum=1,
+            thresholds=GOODPUT_COLORS,
+        ),
+        panel(
+            "timeseries",
+            "Goodput per tier (gateway's live window)",
+            "gateway_goodput_ratio: the gateway's own sliding-window goodput per tier, the figure "
+            "admission steers by. Dashed lines: 90% and 95%.",
+            refs([(f"gateway_goodput_ratio{{{T}}}", "{{tier}}")]),
+            unit="percentunit",
+            width=16,
+            maximum=1,
+            thresholds=GOODPUT_COLORS,
+        ),
+        panel(
+            "timeseries",
+            "TTFT SLO attainment per tier",
+            "Share of finished requests whose time to first token met the tier's TTFT target "
+            "(results met or missed_tpot over all finished requests).",
+            refs(
+                [(share(slo, 'result=~"met|missed_tpot"', f"{MT},{finished}", "tier"), "{{tier}}")]
+            ),
+            unit="percentunit",
+            width=8,
+            maximum=1,
+        ),
+        panel(
+            "timeseries",
+            "TPOT SLO attainment per tier",
+            "Share of finished requests whose time per output token met the tier's TPOT target "
+            "(results met or missed_ttft over all finished requests). A tier without a TPOT "
+            "target (batch) always attains it.",
+            refs(
+                [(share(slo, 'result=~"met|missed_ttft"', f"{MT},{finished}", "tier"), "{{tier}}")]
+            ),
+            unit="percentunit",
+            width=8,
+            maximum=1,
+        ),
+        panel(
+            "timeseries",
+            "SLO results per tier",
+            "Requests per second by SLO result: met, missed_ttft, missed_tpot, missed_both, "
+            "rejected (by admission) and errored.",
+            refs([(f"sum by (tier, result) (rate({slo}{{{MT}}}[{RATE}]))", "{{tier}} {{result}}")]),
+            unit="reqps",
+            width=8,
+            stack=True,
+        ),
+        panel(
+            "stat",
+            "Tier SLO targets",
+            "The TTFT and TPOT targets the gateway is configured with, per tier. Batch has no "
+            "TPOT target.",
+            refs(
+                [
+                    (f"max by (tier) (gateway_tier_slo_ttft_seconds{{{T}}})", "TTFT {{tier}}"),
+                    (f"max by (tier) (gateway_tier_slo_tpot_seconds{{{T}}})", "TPOT {{tier}}"),
+                ],
+                instant=True,
+            ),
+            unit="s",
+            width=24,
+            height=4,
+        ),
+        row("Latency per tier and model"),
+        panel(
+            "timeseries",
+            "Time to first token",
+            "Arrival at the gateway to the first streamed event carrying output: p50, p95, p99 "
+            "per tier and model, and the tier's TTFT target.",
+            refs(
+                [
+                    *quantiles(
+                        "gateway_time_to_first_token_seconds",
+                        MT,
+                        "tier, model",
+                        "{{tier}} {{model}}",
+                    ),
+                    (f"max by (tier) (gateway_tier_slo_ttft_seconds{{{T}}})", "SLO {{tier}}"),
+                ]
+            ),
+            unit="s",
+        ),
+        panel(
+            "timeseries",
+            "Time per output token",
+            "(E2E - TTFT) / (completion tokens - 1) of streamed requests: p50, p95, p99 per tier "
+            "and model, and the tier's TPOT target.",
+            refs(
+                [
+                    *quantiles(
+                        "gateway_time_per_output_token_seconds",
+                        MT,
+                        "tier, model",
+                        "{{tier}} {{model}}",
+                    ),
+                    (f"max by (tier) (gateway_tier_slo_tpot_seconds{{{T}}})", "SLO {{tier}}"),
+                ]
+            ),
+            unit="s",
+        ),
+        panel(
+            "timeseries",
+            "Inter-token latency",
+            "Gap between consecutive streamed output events, per token: p50, p95, p99 per tier "
+            "and model.",
+            refs(
+                quantiles(
+                    "gateway_inter_token_latency_seconds", MT, "tier, model", "{{tier}} {{model}}"
+                )
+            ),
+            unit="s",
+        ),
+        panel(
+            "timeseries",
+            "End-to-end latency",
+            "Arrival to the last output event (streamed) or the whole response: p50, p95, p99 "
+            "per tier and model.",
+            refs(
+                quantiles(
+                    "gateway_e2e_request_latency_seconds", MT, "tier, model", "{{tier}} {{model}}"
+                )
+            ),
+            unit="s",
+        ),
+        panel(
+            "timeseries",
+            "Queue time (arrival to dispatch)",
+            "Time from arrival to the request being sent to a worker, admission queueing "
+            "included: p50, p95, p99 per tier and model.",
+            refs(quantiles("gateway_queue_time_seconds", MT, "tier, model", "{{tier}} {{model}}")),
+            unit="s",
+            width=24,
+        ),
+        row("Traffic"),
+        panel(
+            "timeseries",
+            "Request rate",
+            "Finished requests per second by tier and endpoint (chat, completions), every outcome.",
+            refs(
+                [
+                    (
+                        f"sum by (tier, endpoint) (rate(gateway_requests_total{{{MT}}}[{RATE}]))",
+                        "{{tier}} {{endpoint}}",
+                    )
+                ]
+            ),
+            unit="reqps",
+            width=8,
+            stack=True,
+        ),
+        panel(
+            "timeseries",
+            "Tokens per second in and out",
+            "Prompt tokens (in) and completion tokens (out) per second by model, from the "
+            "workers' usage reports.",
+            refs(
+                [
+                    (
+                        f"sum by (model) (rate(gateway_prompt_tokens_total{{{MT}}}[{RATE}]))",
+                        "in {{model}}",
+                    ),
+                    (
+                        f"sum by (model) (rate(gateway_completion_tokens_total{{{MT}}}[{RATE}]))",
+                        "out {{model}}",
+                    ),
+                ]
+            ),
+            unit="short",
+            width=8,
+        ),
+        panel(
+            "timeseries",
+            "Goodput tokens per second",
+            "Completion tokens per second of requests that met their SLOs (goodput), against all "
+            "completion tokens per second, per tier.",
+            refs(
+                [
+                    (
+                        f"sum by (tier) (rate(gateway_goodput_tokens_total{{{MT}}}[{RATE}]))",
+                        "goodput {{tier}}",
+                    ),
+                    (
+                        f"sum by (tier) (rate(gateway_completion_tokens_total{{{MT}}}[{RATE}]))",
+                        "all {{tier}}",
+                    ),
+                ]
+            ),
+            unit="short",
+            width=8,
+        ),
+        panel(
+            "timeseries",
+            "Requests in flight",
+            "Requests being served now (dispatched or streaming), per tier.",
+            refs([(f"sum by (tier) (gateway_in_flight_requests{{{MT}}})", "{{tier}}")]),
+            width=24,
+            height=6,
+        ),
+        row("Admission"),
+        panel(
+            "timeseries",
+            "Admission decisions",
+            "Decisions per second: admitted at once, queued, rejected up front, shed from the "
+            "queue, expired in the queue, cancelled by the client while queued.",
+            refs(
+                [
+                    (
+                        "sum by (decision) "
+                        f"(rate(gateway_admission_decisions_total{{{T}}}[{RATE}]))",
+                        "{{decision}}",
+                    )
+                ]
+            ),
+            unit="reqps",
+            width=8,
+            stack=True,
+        ),
+        panel(
+            "timeseries",
+            "Turned away per tier",
+            "Share of admission decisions that rejected or shed the request, per tier.",
+            refs(
+                [
+                    (
+                        share(
+                            "gateway_admission_decisions_total",
+                            'decision=~"rejected|shed"',
+                            T,
+                            "tier",
+                        ),
+                        "{{tier}}",
+                    )
+                ]
+            ),
+            unit="percentunit",
+            width=8,
+            maximum=1,
+        ),
+        panel(
+            "timeseries",
+            "Queue depth",
+            "Requests waiting in the admission queue, per tier.",
+            refs([(f"sum by (tier) (gateway_queue_depth{{{T}}})", "{{tier}}")]),
+            width=8,
+        ),
+        panel(
+            "timeseries",
+            "Queue wait",
+            "Time spent waiting in the admission queue: p50, p95, p99 per tier.",
+            refs(quantiles("gateway_queue_wait_seconds", T, "tier", "{{tier}}")),
+            unit="s",
+        ),
+        panel(
+            "timeseries",
+            "TTFT prediction error",
+            "|actual - predicted| time to first token, the error of the predictor admission and "
+            "routing rely on: p50, p95, p99 per tier.",
+            refs(quantiles("gateway_ttft_prediction_error_seconds", T, "tier", "{{tier}}")),
+            unit="s",
+        ),
+        row("Errors and gateway overhead"),
+        panel(
+            "timeseries",
+            "Errors by kind",
+            "Requests per second that did not end ok, by outcome (client_cancelled, "
+            "upstream_error, timeout, rejected, invalid_request) and HTTP status class.",
+            refs(
+                [
+                    (
+                        "sum by (outcome, status_class) "
+                        f'(rate(gateway_requests_total{{{MT},outcome!="ok"}}[{RATE}]))',
+                        "{{outcome}} {{status_class}}",
+                    )
+                ]
+            ),
+            unit="reqps",
+            width=8,
+            stack=True,
+        ),
+        panel(
+            "timeseries",
+            "Failed share per tier",
+            "Share of requests per tier that failed for a reason other than the client "
+            "cancelling (upstream errors, timeouts, rejections, invalid requests).",
+            refs(
+                [
+                    (
+                        share(
+                            "gateway_requests_total",
+                            'outcome!~"ok|client_cancelled"',
+                            MT,
+                            "tier",
+                        ),
+                        "{{tier}}",
+                    )
+                ]
+            ),
+            unit="percentunit",
+            width=8,
+            maximum=1,
+        ),
+        panel(
+            "timeseries",
+            "Gateway overhead",
+            "Time spent in the gateway's own code per request (not waiting on worker or client): "
+            "p50, p99 and mean per model.",
+            refs(
+                [
+                    *quantiles("gateway_overhead_seconds", M, "model", "{{model}}", (0.5, 0.99)),
+                    (
+                        f"sum by (model) (rate(gateway_overhead_seconds_sum{{{M}}}[{RATE}])) / "
+                        f"sum by (model) (rate(gateway_overhead_seconds_count{{{M}}}[{RATE}]))",
+                        "mean {{model}}",
+                    ),
+                ]
+            ),
+            unit="s",
+            width=8,
+        ),
+    ]
+    return dashboard(
+        "goodput-gateway-overview",
+        "Goodput Gateway / Overview",
+        "Goodput and SLO attainment per tier, latency, traffic, admission, errors and the "
+        "gateway's own overhead.",
+        [
+            query_variable("model", "Model", "gateway_requests_total", "model"),
+            query_variable("tier", "Tier", "gateway_requests_total", "tier"),
+        ],
+        panels,
+    )
+
+
+def workers() -> Json:
+    """Workers: health, routing, load, measured latency and the decode roofline."""
+    achieved = f"sum by (worker) (rate(gateway_worker_completion_tokens_total{{{W}}}[{RATE}]))"
+    utilisation = (
+        f"{achieved} / (max by (worker) "
+        f"(avg_over_time(gateway_worker_decode_roofline_tokens_per_second{{{W}}}[{RATE}])) > 0)"
+    )
+    panels = [
+        row("Health and routing"),
+        panel(
+            "state-timeline",
+            "Worker up and ejected",
+            "gateway_worker_up: 1 while the worker answers its probe and is not ejected. "
+            "gateway_worker_ejected: 1 while passive health keeps it out of rotation.",
+            refs(
+                [
+                    (f"max by (worker) (gateway_worker_up{{{W}}})", "up {{worker}}"),
+                    (f"max by (worker) (gateway_worker_ejected{{{W}}})", "ejected {{worker}}"),
+                ]
+            ),
+            unit="bool",
+            width=12,
+            thresholds=[("red", None), ("green", 1)],
+            overrides=[
+                {
+                    # Ejected is the bad state: red when 1.
+                    "matcher": {"id": "byRegexp", "options": "^ejected .*"},
+                    "properties": [
+                        {
+                            "id": "thresholds",
+                            "value": {
+                                "mode": "absolute",
+                                "steps": [
+                                    {"color": "green", "value": None},
+                                    {"color": "red", "value": 1},
+                                ],
+                            },
+                        }
+                    ],
+                }
+            ],
+        ),
+        panel(
+            "stat",
+            "Healthy workers",
+            "Workers up and not ejected, out of all workers the gateway knows.",
+            refs(
+                [
+                    (f"sum(gateway_worker_up{{{W}}})", "healthy"),
+                    (f"count(gateway_worker_up{{{W}}})", "known"),
+                ],
+                instant=True,
+            ),
+            width=4,
+        ),
+        panel(
+            "timeseries",
+            "Routed share",
+            "Share of request attempts the gateway sent to each worker.",
+            refs(
+                [
+                    (
+                        "sum by (worker) "
+                        f"(rate(gateway_worker_routed_requests_total{{{W}}}[{RATE}]))"
+                        " / ignoring (worker) group_left () "
+                        f"sum (rate(gateway_worker_routed_requests_total{{{W}}}[{RATE}]))",
+                        "{{worker}}",
+                    )
+                ]
+            ),
+            unit="percentunit",
+            width=8,
+            maximum=1,
+            stack=True,
+        ),
+        panel(
+            "timeseries",
+            "Failovers and ejections",
+            "Requests moved to another worker after failing here before their first byte, and "
+            "ejections of the worker, per second.",
+            refs(
+                [
+                    (
+                        f"sum by (worker) (rate(gateway_worker_failovers_total{{{W}}}[{RATE}]))",
+                        "failovers {{worker}}",
+                    ),
+                    (
+                        f"sum by (worker) (rate(gateway_worker_ejections_total{{{W}}}[{RATE}]))",
+                        "ejections {{worker}}",
+                    ),
+                ]
+            ),
+            unit="ops",
+            width=24,
+            height=6,
+        ),
+        row("Load"),
+        panel(
+            "timeseries",
+            "Running and waiting requests (gateway's view)",
+            "The worker's running and waiting requests as the gateway last scraped them (the "
+            "routing and admission inputs), and the requests the gateway has open on it.",
+            refs(
+                [
+                    (
+                        f"max by (worker) (gateway_worker_running_requests{{{W}}})",
+                        "running {{worker}}",
+                    ),
+                    (
+                        f"max by (worker) (gateway_worker_waiting_requests{{{W}}})",
+                        "waiting {{worker}}",
+                    ),
+                    (
+                        f"max by (worker) (gateway_worker_in_flight_requests{{{W}}})",
+                        "gateway in flight {{worker}}",
+                    ),
+                ]
+            ),
+        ),
+        panel(
+            "timeseries",
+            "Running and waiting requests (vLLM's view)",
+            "vllm:num_requests_running and vllm:num_requests_waiting from the worker's own "
+            "/metrics, scraped by Prometheus.",
+            refs(
+                [
+                    (f"sum by (worker) (vllm:num_requests_running{{{VW}}})", "running {{worker}}"),
+                    (f"sum by (worker) (vllm:num_requests_waiting{{{VW}}})", "waiting {{worker}}"),
+                ]
+            ),
+        ),
+        panel(
+            "timeseries",
+            "KV-cache use",
+            "Share of the worker's KV-cache blocks in use: the gateway's scraped copy and vLLM's "
+            "own vllm:kv_cache_usage_perc (a 0..1 ratio despite its name).",
+            refs(
+                [
+                    (
+                        f"max by (worker) (gateway_worker_kv_cache_usage_ratio{{{W}}})",
+                        "gateway {{worker}}",
+                    ),
+                    (f"max by (worker) (vllm:kv_cache_usage_perc{{{VW}}})", "vLLM {{worker}}"),
+                ]
+            ),
+            unit="percentunit",
+            maximum=1,
+            thresholds=[("green", None), ("red", 0.95)],
+        ),
+        panel(
+            "timeseries",
+            "Load signal age",
+            "Age of the worker's load figures at export time; above a few seconds routing and "
+            "admission treat the worker as busy.",
+            refs([(f"max by (worker) (gateway_worker_load_age_seconds{{{W}}})", "{{worker}}")]),
+            unit="s",
+        ),
+        row("Measured latency per worker"),
+        panel(
+            "timeseries",
+            "Time to first token per worker",
+            "Dispatch to first output event as the gateway measured it (p50, p99), and vLLM's own "
+            "p99 TTFT (excludes the network and the gateway).",
+            refs(
+                [
+                    *quantiles(
+                        "gateway_worker_time_to_first_token_seconds",
+                        W,
+                        "worker",
+                        "{{worker}}",
+                        (0.5, 0.99),
+                    ),
+                    *quantiles(
+                        "vllm:time_to_first_token_seconds",
+                        VW,
+                        "worker",
+                        "vLLM {{worker}}",
+                        (0.99,),
+                    ),
+                ]
+            ),
+            unit="s",
+        ),
+        panel(
+            "timeseries",
+            "Inter-token latency per worker",
+            "Gap between output events per token as the gateway measured it (p50, p99), and "
+            "vLLM's own p99 inter-token latency.",
+            refs(
+                [
+                    *quantiles(
+                        "gateway_worker_inter_token_latency_seconds",
+                        W,
+                        "worker",
+                        "{{worker}}",
+                        (0.5, 0.99),
+                    ),
+                    *quantiles(
+                        "vllm:inter_token_latency_seconds",
+                        VW,
+                        "worker",
+                        "vLLM {{worker}}",
+                        (0.99,),
+                    ),
+                ]
+            ),
+            unit="s",
+        ),
+        row("Decode roofline"),
+        panel(
+            "timeseries",
+            "Decode tokens per second: achieved vs roofline",
+            "Achieved: completion tokens per second the worker produced for the gateway. "
+            "vLLM: the worker's own generation tokens per second. Roofline: the memory-bandwidth "
+            "limit for the batch it is running (running x bandwidth / bytes read per decode "
+            "step: weights + KV cache).",
+            refs(
+                [
+                    (achieved, "achieved {{worker}}"),
+                    (
+                        f"sum by (worker) (rate(vllm:generation_tokens_total{{{VW}}}[{RATE}]))",
+                        "vLLM {{worker}}",
+                    ),
+                    (
+                        "max by (worker) "
+                        f"(gateway_worker_decode_roofline_tokens_per_second{{{W}}})",
+                        "roofline {{worker}}",
+                    ),
+                ]
+            ),
+            unit="short",
+            width=8,
+        ),
+        panel(
+            "timeseries",
+            "Memory-bandwidth utilisation",
+            "Achieved decode tokens per second over the roofline averaged over the same window: "
+            "how close decoding runs to the memory-bandwidth limit.",
+            refs([(utilisation, "{{worker}}")]),
+            unit="percentunit",
+            width=8,
+            thresholds=[("green", None), ("orange", 0.8)],
+        ),
+        panel(
+            "timeseries",
+            "Memory bandwidth: used vs available",
+            "Bandwidth the decoding uses (utilisation x bandwidth) against the worker's memory "
+            "bandwidth from the gateway's settings.",
+            refs(
+                [
+                    (
+                        f"({utilisation}) * on (worker) max by (worker) "
+                        f"(gateway_worker_memory_bandwidth_bytes_per_second{{{W}}})",
+                        "used {{worker}}",
+                    ),
+                    (
+                        "max by (worker) "
+                        f"(gateway_worker_memory_bandwidth_bytes_per_second{{{W}}})",
+                        "available {{worker}}",
+                    ),
+                ]
+            ),
+            unit="Bps",
+            width=8,
+        ),
+    ]
+    return dashboard(
+        "goodput-gateway-workers",
+        "Goodput Gateway / Workers",
+        "Per vLLM worker: health, routed share, load, measured latency and the decode "
+        "roofline (achieved tokens/s against the memory-bandwidth limit).",
+        [
+            query_variable("worker", "Worker", "gateway_worker_up", "worker"),
+            query_variable("model", "Model", "vllm:num_requests_running", "model_name"),
+        ],
+        panels,
+    )
+
+
+def build() -> dict[str, Json]:
+    """Every dashboard, by file name."""
+    return {"gateway-overview.json": overview(), "gateway-workers.json": workers()}
+
+
+def render(board: Json) -> str:
+    """The JSON text committed for a dashboard."""
+    return json.dumps(board, indent=2, sort_keys=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the dashboards, or with ``--check`` report the stale ones."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file is out of date")
+    parser.add_argument("--out", type=Path, default=DASHBOARD_DIR, help="output directory")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, board in build().items():
+        path = args.out / name
+        text = render(board)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print("out of date (run python -m scripts.gen_dashboards):", *stale, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The gateway's image (Dockerfile, .dockerignore) and the docker compose stack."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ops.support import REPO, load_yaml, tool
+
+DOCKERFILE = REPO / "Dockerfile"
+COMPOSE = REPO / "docker-compose.yml"
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` of the Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    found = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            found.append((word.upper(), rest.strip()))
+    return found
+
+
+def test_hadolint_finds_nothing() -> None:
+    result = subprocess.run(
+        [tool("hadolint"), "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_is_multi_stage_slim_non_root_and_healthchecked() -> None:
+    steps = _instructions()
+    froms = [args for word, args in steps if word == "FROM"]
+    assert len(froms) >= 2, "expected a build stage and a runtime stage"
+    assert all(f.startswith("python:3.11-slim") for f in froms)
+    runtime = steps[max(i for i, (word, _) in enumerate(steps) if word == "FROM") :]
+    words = [word for word, _ in runtime]
+    users = [args for word, args in runtime if word == "USER"]
+    assert users, "the runtime stage must drop root"
+    assert users[-1].split(":")[0] not in {"0", "root"}
+    assert any(word == "COPY" and "--from=build" in args for word, args in runtime)
+    (health,) = [args for word, args in runtime if word == "HEALTHCHECK"]
+    assert "/healthz" in health
+    assert "urllib" in health
+    assert "curl" not in health
+    (entrypoint,) = [args for word, args in runtime if word == "ENTRYPOINT"]
+    assert json.loads(entrypoint) == ["goodput-gateway"]
+    assert "EXPOSE" in words
+    build = [args for word, args in steps if word == "RUN" and "pip install" in args]
+    assert any(re.search(r"pip install (--\S+ )*\.$", args) for args in build)
+
+
+def test_dockerignore_keeps_workers_models_tests_and_venvs_out() -> None:
+    lines = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    # An allow-list: ignore everything, then re-include what `pip install .` needs.
+    assert lines[0] == "*"
+    included = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    assert included == {"pyproject.toml", "README.md", "app"}
+    for word, args in _instructions():
+        if word != "COPY" or "--from" in args:
+            continue
+        *sources, _destination = [a for a in args.split() if not a.startswith("--")]
+        for source in sources:
+            assert source.rstrip("/") in included, f"COPY {source} is excluded by .dockerignore"
+
+
+def _compose(*args: str, file: Path = COMPOSE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tool("docker-compose"), "--project-directory", str(REPO), "-f", str(file), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)},
+    )
+
+
+@pytest.mark.parametrize("profiles", [[], ["gpu"]], ids=["default", "gpu"])
+def test_compose_file_is_valid(profiles: list[str]) -> None:
+    args = [arg for p in profiles for arg in ("--profile", p)]
+    result = _compose(*args, "config", "-q")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _config(*profiles: str) -> dict[str, Any]:
+    args = [arg for p in profiles for arg in ("--profile", p)]
+    result = _compose(*args, "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
+
+
+def test_compose_default_profile_runs_the_cpu_worker() -> None:
+    services = _config()["services"]
+    assert set(services) == {"gateway", "vllm", "prometheus", "grafana"}
+    vllm = services["vllm"]
+    assert "vllm-cpu" in vllm["image"]
+    assert vllm["environment"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    command = vllm["command"]
+    assert command[command.index("--served-model-name") + 1] == "tiny-llama"
+    for flag, value in {
+        "--load-format": "dummy",
+        "--max-model-len": "1024",
+        "--dtype": "bfloat16",
+        "--port": "8000",
+    }.items():
+        assert command[command.index(flag) + 1] == value
+    (mount,) = vllm["volumes"]
+    assert mount["source"] == str(REPO / "models" / "tiny-llama")
+    assert mount["target"] == command[command.index("--model") + 1]
+    assert mount["read_only"] is True
+    assert services["gateway"]["environment"]["GATEWAY_WORKERS"] == "http://vllm:8000"
+
+
+def test_compose_gpu_profile_adds_a_gpu_worker() -> None:
+    services = _config("gpu")["services"]
+    gpu = services["vllm-gpu"]
+    assert gpu["image"].startswith("vllm/vllm-openai:")
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
+    assert device["capabilities"] == ["gpu"]
+    command = gpu["command"]
+    assert "/" in command[command.index("--model") + 1], "a real Hugging Face model id"
+    assert gpu["profiles"] == ["gpu"]
+
+
+def test_compose_services_are_healthchecked_and_wait_for_health() -> None:
+    services = _config("gpu")["services"]
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    gateway = services["gateway"]["depends_on"]
+    assert {name: dep["condition"] for name, dep in gateway.items()} == {
+        "vllm": "service_healthy",
+        "vllm-gpu": "service_healthy",
+    }
+    # Only the worker that runs is waited for: the other one is optional.
+    assert all(dep["required"] is False for dep in gateway.values())
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert services["prometheus"]["depends_on"]["gateway"]["condition"] == "service_healthy"
+    for name in ("gateway", "prometheus", "grafana"):
+        assert services[name]["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in services[name]["security_opt"], name
+
+
+def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
+    """The validator is not vacuous: a dependency on an undefined service is refused."""
+    text = COMPOSE.read_text().replace("condition: service_healthy", "condition: service_happy", 1)
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(text)
+    assert _compose("config", "-q", file=broken).returncode != 0
+    unknown = load_yaml(COMPOSE.read_text())
+    unknown["services"]["gateway"]["depends_on"]["nope"] = {"condition": "service_healthy"}
+    broken.write_text(json.dumps(unknown))
+    assert _compose("config", "-q", file=broken).returncode != 0

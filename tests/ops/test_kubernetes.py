@@ -1,0 +1,280 @@
+"""Kubernetes: each kustomize overlay renders, validates against Kubernetes' schemas, and says
+what the gateway and the workers need (probes, hardening, DNS discovery, GPUs, dashboards)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ops.support import (
+    OPS_BIN,
+    OVERLAYS,
+    REPO,
+    dump_yaml,
+    kustomize_build,
+    load_yaml_all,
+    tool,
+)
+
+# Kubernetes versions validated against: the oldest still commonly run and the newest known.
+KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")
+NAMESPACE = "goodput"
+
+
+@cache
+def _rendered(overlay: str) -> str:
+    return kustomize_build(overlay)
+
+
+def _objects(overlay: str) -> list[dict[str, Any]]:
+    return load_yaml_all(_rendered(overlay))
+
+
+def _one(overlay: str, kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in _objects(overlay) if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    found: dict[str, Any] = container
+    return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_overlay_validates_strictly(overlay: str, version: str, tmp_path: Path) -> None:
+    """Every object but the ServiceMonitors (a CRD, checked below) against Kubernetes' schema,
+    rejecting unknown fields."""
+    builtin = [o for o in _objects(overlay) if o["kind"] != "ServiceMonitor"]
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text("---\n".join(dump_yaml(o) for o in builtin))
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", "-k", version, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Couldn't find schema" not in output, output
+
+
+# Runs in .venv-ops (which has the prometheus-operator models): reads {case: [ServiceMonitor]}
+# as JSON on stdin, prints {case: [problem]} as JSON.
+SERVICEMONITOR_CHECK = """
+import json, sys
+from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+
+def unknown(given, kept, path):
+    if isinstance(given, dict):
+        for key, value in given.items():
+            if not isinstance(kept, dict) or key not in kept:
+                yield path + key
+            else:
+                yield from unknown(value, kept[key], path + key + ".")
+    elif isinstance(given, list):
+        for i, (a, b) in enumerate(zip(given, kept)):
+            yield from unknown(a, b, path + str(i) + ".")
+
+def problems(doc):
+    name = doc["metadata"]["name"]
+    try:
+        model = ServiceMonitor.model_validate(doc)
+    except Exception as exc:
+        return [f"{name}: {exc}"]
+    kept = model.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return [f"{name}: unknown field {field}" for field in unknown(doc, kept, "")]
+
+cases = json.load(sys.stdin)
+print(json.dumps({case: [p for d in docs for p in problems(d)] for case, docs in cases.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def servicemonitor_problems() -> dict[str, list[str]]:
+    """ServiceMonitor is a CRD kubernetes-validate has no schema for: it is validated with the
+    prometheus-operator's models (generated from the CRD's OpenAPI schema, patterns and enums
+    included), and fields the schema does not know are refused (strict). One run for all
+    overlays plus a deliberately broken monitor, as loading the models takes seconds."""
+    cases = {
+        overlay: [o for o in _objects(overlay) if o["kind"] == "ServiceMonitor"]
+        for overlay in OVERLAYS
+    }
+    broken = _one("gpu", "ServiceMonitor", "goodput-gateway")
+    broken["spec"]["endpoints"][0]["intervall"] = "15s"
+    cases["broken"] = [broken]
+    result = subprocess.run(
+        [str(OPS_BIN / "python"), "-c", SERVICEMONITOR_CHECK],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    found: dict[str, list[str]] = json.loads(result.stdout)
+    return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_servicemonitors_validate_against_the_operator_schema(
+    overlay: str, servicemonitor_problems: dict[str, list[str]]
+) -> None:
+    monitors = {o["metadata"]["name"] for o in _objects(overlay) if o["kind"] == "ServiceMonitor"}
+    assert monitors == {"goodput-gateway", "vllm-workers"}
+    assert servicemonitor_problems[overlay] == []
+
+
+def test_servicemonitor_check_refuses_unknown_fields(
+    servicemonitor_problems: dict[str, list[str]],
+) -> None:
+    """The strict ServiceMonitor check is not vacuous."""
+    assert servicemonitor_problems["broken"] == [
+        "goodput-gateway: unknown field spec.endpoints.0.intervall"
+    ]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_everything_lands_in_one_namespace(overlay: str) -> None:
+    for obj in _objects(overlay):
+        if obj["kind"] == "Namespace":
+            assert obj["metadata"]["name"] == NAMESPACE
+        else:
+            assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_deployment_is_probed_bounded_and_hardened(overlay: str) -> None:
+    deployment = _one(overlay, "Deployment", "goodput-gateway")
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind])
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["automountServiceAccountToken"] is False
+    assert {e["configMapRef"]["name"] for e in container["envFrom"]} == {"goodput-gateway"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_finds_workers_through_the_headless_service(overlay: str) -> None:
+    config = _one(overlay, "ConfigMap", "goodput-gateway")["data"]
+    service = _one(overlay, "Service", "vllm-workers")
+    assert service["spec"]["clusterIP"] == "None"
+    (port,) = service["spec"]["ports"]
+    assert config["GATEWAY_WORKER_DNS"] == (
+        f"vllm-workers.{NAMESPACE}.svc.cluster.local:{port['port']}"
+    )
+    assert config["GATEWAY_WORKERS"] == ""
+    workers = _one(overlay, "Deployment", "vllm-worker")
+    labels = workers["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (container_port,) = _container(workers)["ports"]
+    assert container_port["name"] == port["targetPort"]
+    assert container_port["containerPort"] == port["port"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_api_keys_secret_is_mounted_as_the_keys_file(overlay: str) -> None:
+    config = _one(overlay, "ConfigMap", "goodput-gateway")["data"]
+    secret = _one(overlay, "Secret", "goodput-gateway-api-keys")
+    deployment = _one(overlay, "Deployment", "goodput-gateway")
+    keys_file = Path(config["GATEWAY_API_KEYS_FILE"])
+    (mount,) = [
+        m for m in _container(deployment)["volumeMounts"] if m["mountPath"] == str(keys_file.parent)
+    ]
+    (volume,) = [
+        v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    ]
+    assert volume["secret"]["secretName"] == "goodput-gateway-api-keys"
+    keys = json.loads(secret["stringData"][keys_file.name])
+    assert keys
+    for key in keys:
+        assert len(key["sha256"]) == 64
+        assert key["name"].startswith("placeholder"), "only placeholder hashes are committed"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_has_a_disruption_budget_and_an_autoscaler(overlay: str) -> None:
+    pdb = _one(overlay, "PodDisruptionBudget", "goodput-gateway")
+    deployment = _one(overlay, "Deployment", "goodput-gateway")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["selector"]["matchLabels"] == selector
+    hpa = _one(overlay, "HorizontalPodAutoscaler", "goodput-gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "goodput-gateway"
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+
+
+def test_gpu_overlay_asks_for_gpus_and_a_real_model() -> None:
+    workers = _one("gpu", "Deployment", "vllm-worker")
+    container = _container(workers)
+    assert container["image"].startswith("vllm/vllm-openai:")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    args = container["args"]
+    assert "/" in args[args.index("--model") + 1]
+    assert "--load-format" not in args
+
+
+def test_cpu_demo_overlay_serves_the_tiny_model_on_cpu() -> None:
+    workers = _one("cpu-demo", "Deployment", "vllm-worker")
+    container = _container(workers)
+    assert "vllm-cpu" in container["image"]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    args = container["args"]
+    for flag, value in {
+        "--served-model-name": "tiny-llama",
+        "--load-format": "dummy",
+        "--max-model-len": "1024",
+        "--dtype": "bfloat16",
+    }.items():
+        assert args[args.index(flag) + 1] == value
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    model_dir = args[args.index("--model") + 1]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == model_dir]
+    (volume,) = [
+        v for v in workers["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    ]
+    config_map = _one("cpu-demo", "ConfigMap", volume["configMap"]["name"])
+    shipped = {**config_map.get("data", {}), **config_map.get("binaryData", {})}
+    on_disk = {p.name for p in (REPO / "models" / "tiny-llama").iterdir() if p.is_file()}
+    assert set(shipped) == on_disk, "the ConfigMap must carry every file of models/tiny-llama"
+    # The API server refuses ConfigMaps over 1 MiB.
+    assert len(json.dumps(config_map).encode()) < 1024 * 1024
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dashboards_configmap_carries_the_committed_dashboards(overlay: str) -> None:
+    config_map = _one(overlay, "ConfigMap", "goodput-gateway-dashboards")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    for path in (REPO / "grafana" / "dashboards").glob("*.json"):
+        assert config_map["data"][path.name] == path.read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_servicemonitors_scrape_gateway_and_workers(overlay: str) -> None:
+    gateway = _one(overlay, "ServiceMonitor", "goodput-gateway")
+    service = _one(overlay, "Service", "goodput-gateway")
+    assert (
+        gateway["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    workers = _one(overlay, "ServiceMonitor", "vllm-workers")
+    headless = _one(overlay, "Service", "vllm-workers")
+    assert (
+        workers["spec"]["selector"]["matchLabels"].items() <= headless["metadata"]["labels"].items()
+    )
+    (endpoint,) = workers["spec"]["endpoints"]
+    assert {"sourceLabels": ["__address__"], "targetLabel": "worker"} in endpoint["relabelings"]
