@@ -1,8 +1,6 @@
-"""PROVISIONAL live fixtures for tests/ops/test_live_dashboards.py.
+"""Live fixture for tests/ops/test_live_dashboards.py: the gateway as its own process.
 
-``vllm_worker_url`` (a real vLLM CPU worker) and ``live_gateway_url`` (the gateway in front of
-it, as its own process) are meant to live, session-scoped, in tests/conftest.py, shared with the
-other worker tests; once they are there, delete this file.
+The real vLLM worker it fronts (``vllm_worker_url``) comes from tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -10,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,31 +17,7 @@ import httpx
 import pytest
 
 from tests.ops.support import LIVE_API_KEY_SHA256, REPO
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@pytest.fixture(scope="session")
-def vllm_worker_url() -> Iterator[str]:
-    """A vLLM CPU worker serving the tiny model on a free port (or the one at $VLLM_WORKER_URL)."""
-    if os.environ.get("VLLM_WORKER_URL"):
-        yield os.environ["VLLM_WORKER_URL"]
-        return
-    # Imported here so that only the live tests depend on the launcher.
-    from scripts.vllm_worker import VllmWorker
-
-    worker = VllmWorker(port=_free_port())
-    worker.start()
-    try:
-        worker.wait_ready(timeout=600)
-        yield worker.url
-    finally:
-        worker.stop()
+from tests.servers import free_port
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +25,7 @@ def live_gateway_url(
     vllm_worker_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """``python -m app`` on a free port in front of the worker, ready (/readyz 200)."""
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "GATEWAY_HOST": "127.0.0.1",

@@ -1,0 +1,43 @@
+"""Fixtures shared by the whole suite: one real vLLM CPU worker per test session.
+
+Tests that use ``vllm_worker_url`` are marked ``worker`` automatically, so ``make unit``
+(``pytest -m "not worker"``) runs without vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.servers import free_port
+
+
+@pytest.fixture(scope="session")
+def vllm_worker_url() -> Iterator[str]:
+    """A real vLLM CPU worker serving ``tiny-llama`` (or the one at ``$VLLM_WORKER_URL``).
+
+    Started once per session (about a minute) and stopped, with every process it spawned, at
+    the end. Tests must leave it idle: no request of theirs may still run when they return.
+    """
+    if os.environ.get("VLLM_WORKER_URL"):
+        yield os.environ["VLLM_WORKER_URL"].rstrip("/")
+        return
+    # Imported here so that the unit tests do not depend on the launcher.
+    from scripts.vllm_worker import VllmWorker
+
+    worker = VllmWorker(port=free_port())
+    worker.start()
+    try:
+        worker.wait_ready(timeout=600)
+        yield worker.url
+    finally:
+        worker.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs a real worker, directly or through another fixture."""
+    for item in items:
+        if "vllm_worker_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.worker)
