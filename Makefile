@@ -8,12 +8,15 @@ STAMP := $(VENV)/.installed
 GATEWAY_PORT ?= 8000
 WORKER_PORT ?= 8100
 
-.PHONY: help install worker run test lint typecheck unit bench clean
+.PHONY: help install worker ops-tools run test lint typecheck unit bench bench-routing bench-admission clean
 
 help:
 	@echo "make run    - start a vLLM CPU worker and the gateway in front of it (port $(GATEWAY_PORT))"
 	@echo "make test   - lint, type-check and run the whole test suite against a real vLLM worker"
 	@echo "make bench  - gateway overhead benchmark (prints a table)"
+	@echo "make bench-routing   - predicted-TTFT routing vs round robin on two real workers"
+	@echo "make bench-admission - SLO-aware admission on vs off at ~3x capacity (real workers)"
+	@echo "make unit   - the tests that need no vLLM worker"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +28,9 @@ install: $(STAMP)
 worker:
 	bash scripts/install_worker.sh
 
+ops-tools:
+	bash scripts/install_ops_tools.sh
+
 run: install worker
 	$(BIN)/python -m scripts.run_stack --gateway-port $(GATEWAY_PORT) --worker-port $(WORKER_PORT)
 
@@ -35,7 +41,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: lint typecheck worker
+test: lint typecheck worker ops-tools
 	$(BIN)/pytest
 
 unit: install
@@ -44,5 +50,11 @@ unit: install
 bench: install
 	$(BIN)/python -m bench.overhead
 
+bench-routing: install worker
+	$(BIN)/python -m bench.routing
+
+bench-admission: install worker
+	$(BIN)/python -m bench.admission
+
 clean:
-	rm -rf $(VENV) .venv-worker .run .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-worker .venv-ops .run .mypy_cache .ruff_cache .pytest_cache
