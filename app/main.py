@@ -17,6 +17,9 @@ def main() -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO: several lines a second per worker from the load scrapes
+    # and health probes alone. Failures are logged by the gateway itself.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     uvicorn.run(
         create_app(settings),
         host=settings.host,
