@@ -111,6 +111,14 @@ class WorkerPool:
         self.workers[worker.label] = worker
         self._metrics.worker_up.labels(worker.label).set(0)
         self._metrics.worker_ejected.labels(worker.label).set(0)
+        # Counters start at 0 so that rate() and increase() see a series before the first event.
+        for counter in (
+            self._metrics.worker_ejections,
+            self._metrics.worker_failovers,
+            self._metrics.worker_routed,
+            self._metrics.worker_completion_tokens,
+        ):
+            counter.labels(worker.label)
         log.info("worker %s added (%s)", worker.label, spec.base_url)
         return worker
 

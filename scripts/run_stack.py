@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from scripts.vllm_worker import ROOT, RUN_DIR, VllmWorker, WorkerError
+from scripts.vllm_worker import ROOT, RUN_DIR, TINY_LLAMA_HARDWARE, VllmWorker, WorkerError
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -143,6 +143,7 @@ def _serve(
         "GATEWAY_PORT": str(args.gateway_port),
     }
     env.setdefault("GATEWAY_WORKERS", worker.url)
+    env.setdefault("GATEWAY_HARDWARE", json.dumps(TINY_LLAMA_HARDWARE))
     gateway_log = RUN_DIR / "gateway.log"
     print(f"starting the gateway on {gateway_url}; log {gateway_log}", flush=True)
     gateway = stack.enter_context(

@@ -34,6 +34,17 @@ WORKER_PYTHON = ROOT / ".venv-worker" / "bin" / "python"
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 RUN_DIR = ROOT / ".run"
 
+# Roofline figures of the tiny model for the gateway's GATEWAY_HARDWARE (the Workers dashboard's
+# bandwidth panels): 807,552 parameters in bf16; KV cache 2 (K, V) x 2 layers x 2 KV heads x
+# 32 dims x 2 bytes per token. The bandwidth is a nominal figure for one DDR4 channel, not a
+# measurement of this machine; set GATEWAY_HARDWARE for real hardware.
+TINY_LLAMA_HARDWARE = {
+    "memory_bandwidth_gbs": 20.0,
+    "model_params_billion": 0.000807552,
+    "dtype_bytes": 2.0,
+    "kv_bytes_per_token": 512.0,
+}
+
 
 # Loopback health checks must not go through an http_proxy from the environment.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

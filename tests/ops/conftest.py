@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from scripts.vllm_worker import TINY_LLAMA_HARDWARE
 from tests.ops.support import LIVE_API_KEY_SHA256, REPO
 from tests.servers import free_port
 
@@ -32,6 +33,8 @@ def live_gateway_url(
         "GATEWAY_PORT": str(port),
         "GATEWAY_WORKERS": vllm_worker_url,
         "GATEWAY_ACCESS_LOG": "false",
+        # Roofline figures, so the Workers dashboard's bandwidth panels have data.
+        "GATEWAY_HARDWARE": json.dumps(TINY_LLAMA_HARDWARE),
         # Fewer slots than the load's concurrency, so some requests wait in the admission queue
         # (the queue panels need that).
         "GATEWAY_MAX_RUNNING_PER_WORKER": "2",
