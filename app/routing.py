@@ -5,7 +5,9 @@ Policies (``GATEWAY_ROUTING``):
 * ``predicted_ttft`` (default): the healthy worker with the lowest predicted time to first
   token for *this* request: the prefill work already queued there, this prompt's length, the
   running batch, and the worker's learnt prefill speed. Workers whose load signals are stale
-  count as busy.
+  count as busy: they rank behind every fresh worker by ``_STALE_PENALTY_S``. The prediction
+  handed to admission leaves the penalty out (it rests on the gateway's own exact counts), so a
+  worker whose /metrics cannot be read is still used, not treated as never able to meet an SLO.
 * ``least_outstanding``: power of two choices on the gateway's in-flight count.
 * ``round_robin``: for comparison.
 
@@ -25,7 +27,7 @@ from app.errors import ModelNotFound, UpstreamUnavailable
 from app.settings import Settings
 from app.workers import Worker, WorkerPool
 
-# Stale load signals make a worker look this much slower, so fresh workers win ties.
+# Stale load signals make a worker rank this much slower, so fresh workers win.
 _STALE_PENALTY_S = 5.0
 
 
@@ -71,7 +73,19 @@ class Router:
         )
 
     def predict(self, worker: Worker, own_tokens: float) -> tuple[float, float]:
-        """``(predicted TTFT, prefill work)`` of a request of ``own_tokens`` on ``worker``."""
+        """``(predicted TTFT, prefill work)`` of a request of ``own_tokens`` on ``worker``.
+
+        With stale load signals, the TTFT rests on the gateway's own counts for the worker.
+        """
+        ttft, work, _ = self._predict(worker, own_tokens)
+        return ttft, work
+
+    def rank(self, worker: Worker, own_tokens: float) -> float:
+        """The routing score: predicted TTFT, plus a penalty when the load signals are stale."""
+        ttft, _, fresh = self._predict(worker, own_tokens)
+        return ttft if fresh else ttft + _STALE_PENALTY_S
+
+    def _predict(self, worker: Worker, own_tokens: float) -> tuple[float, float, bool]:
         now = self._pool.now()
         load, fresh = worker.current_load(now, self._settings.load_max_age_s)
         work = worker.latency.prefill_work(own_tokens, load)
@@ -80,7 +94,7 @@ class Router:
             # Requests queued inside the worker (perhaps from other gateway replicas) each
             # need at least a prefill of their own before this one starts.
             ttft += load.waiting * worker.latency.prefill.intercept
-        return (ttft if fresh else ttft + _STALE_PENALTY_S), work
+        return ttft, work, fresh
 
     def choose(
         self,
@@ -98,7 +112,7 @@ class Router:
             pair = workers if len(workers) < 3 else self._rng.sample(workers, 2)
             worker = min(pair, key=lambda w: w.in_flight)
         else:
-            scored = [(self.predict(w, own_tokens)[0], self._rng.random(), w) for w in workers]
+            scored = [(self.rank(w, own_tokens), self._rng.random(), w) for w in workers]
             best_ttft, _, worker = min(scored, key=lambda item: (item[0], item[1]))
             if affinity_key:
                 pinned = _rendezvous(affinity_key, workers)

@@ -124,11 +124,19 @@ def test_stale_load_counts_as_busy() -> None:
     pool = _pool(settings, clock)
     router = Router(settings, pool)
     a, b = pool.workers["a:1"], pool.workers["b:2"]
+    for worker in (a, b):
+        worker.up = True
+        worker.models = {MODEL}
     from app.loadsignals import LoadSample
 
     a.load = LoadSample(running=0, waiting=0, kv_cache_usage=0.1, at=clock.now)
     b.load = LoadSample(running=0, waiting=0, kv_cache_usage=0.1, at=clock.now - 60)
-    assert router.predict(b, 10)[0] > router.predict(a, 10)[0] + 1.0
+    assert router.rank(b, 10) > router.rank(a, 10) + 1.0
+    assert {router.choose(MODEL, 10).worker.label for _ in range(20)} == {"a:1"}
+    # Admission still gets a finite prediction for the stale worker (the gateway's own counts),
+    # so a worker whose /metrics cannot be read keeps serving when it is the only one.
+    assert router.predict(b, 10)[0] == router.predict(a, 10)[0]
+    assert router.choose(MODEL, 10, exclude=frozenset({"a:1"})).predicted_ttft_s < 1.0
 
 
 async def test_dns_discovery_adds_and_drains_workers() -> None:
