@@ -1,0 +1,266 @@
+"""What the real-worker benchmarks share: vLLM workers, a gateway process, a timed client.
+
+The benchmarks run REAL vLLM CPU workers. The shipped ``tiny-llama`` is so small that on a CPU
+its prefill and decode are faster than the client and gateway can stream events, so nothing a
+router or admission controller does would show; the benchmarks use ``bench-llama`` instead:
+the same architecture and tokenizer, 8 layers x 512 wide (27 M random bf16 weights), which on
+one core of this machine prefills ~3,300 tokens/s and decodes one step in ~7 ms for one
+sequence and ~24 ms for 32: a slow accelerator in miniature, with the same two phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from scripts.vllm_worker import MODEL_DIR, ROOT, RUN_DIR, VllmWorker
+
+BENCH_MODEL: Final = "bench-llama"
+BENCH_MODEL_DIR: Final = ROOT / "models" / "bench-llama"
+RESULTS: Final = ROOT / "bench" / "results"
+_CONTENT: Final = re.compile(rb'"(?:content|text)":\s?"[^"]')
+_TEXT: Final = (
+    "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
+    "tree and count the stars above the quiet river that runs past the sleeping town"
+)
+_WORDS: Final = tuple(_TEXT.split())
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout keeps only the tables."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def prompt_text(words: int, rng: random.Random) -> str:
+    """A prompt of ``words`` words (about 1.7 tokens each with the tiny tokenizer)."""
+    start = rng.randrange(len(_WORDS))
+    return " ".join(_WORDS[(start + i) % len(_WORDS)] for i in range(words))
+
+
+def bench_worker(port: int, cpus: str | None = None) -> VllmWorker:
+    """A worker serving ``bench-llama`` with the tiny model's tokenizer."""
+    return VllmWorker(
+        port=port,
+        model_name=BENCH_MODEL,
+        model_dir=BENCH_MODEL_DIR,
+        max_model_len=2048,
+        cpus=cpus,
+        extra_args=["--tokenizer", str(MODEL_DIR)],
+    )
+
+
+@contextlib.contextmanager
+def running_workers(workers: Sequence[VllmWorker]) -> Iterator[list[VllmWorker]]:
+    """Start every worker (one after the other, they share the CPUs), stop them all after."""
+    started: list[VllmWorker] = []
+    try:
+        for worker in workers:
+            log(f"starting {worker.model_name} worker on {worker.url} (about a minute)")
+            worker.start()
+            started.append(worker)
+            worker.wait_ready(timeout=600)
+        yield started
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with _NO_PROXY.open(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def running_gateway(env: Mapping[str, str], port: int, name: str) -> Iterator[str]:
+    """``python -m app`` with ``env`` on ``port`` until the block ends; yields its URL."""
+    log_path = RUN_DIR / f"bench-gateway-{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        **os.environ,
+        "GATEWAY_HOST": "127.0.0.1",
+        "GATEWAY_PORT": str(port),
+        "GATEWAY_ACCESS_LOG": "false",
+        **env,
+    }
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app"],
+            cwd=ROOT,
+            env=full_env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(f"{url}/readyz"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start; see {log_path}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request as the client saw it."""
+
+    tag: str
+    sent: float
+    status: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+    completion_tokens: int = 0
+    retry_after: float | None = None
+    error: str | None = None
+    """Why the request did not end with ``[DONE]``: an error event or a transport failure."""
+    lost: bool = False
+    """No HTTP response at all (connection failed or timed out): what must never happen."""
+
+    @property
+    def ok(self) -> bool:
+        """A 200 stream that finished."""
+        return self.status == 200 and self.error is None and self.e2e is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The outcome as JSON-ready values."""
+        return {
+            "tag": self.tag,
+            "sent": self.sent,
+            "status": self.status,
+            "ttft": self.ttft,
+            "tpot": self.tpot,
+            "e2e": self.e2e,
+            "completion_tokens": self.completion_tokens,
+            "retry_after": self.retry_after,
+            "error": self.error,
+            "lost": self.lost,
+        }
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    tag: str = "",
+    headers: Mapping[str, str] | None = None,
+) -> Outcome:
+    """One streamed chat completion, timed on this process's monotonic clock.
+
+    TTFT is send to first content event; TPOT is (E2E - TTFT) / (tokens - 1) with the tokens
+    from the usage chunk. Events are told apart by a byte scan; only the usage chunk is parsed.
+    """
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    outcome = Outcome(tag=tag, sent=sent)
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=dict(headers or {})
+        ) as response:
+            outcome.status = response.status_code
+            if response.status_code != 200:
+                await response.aread()
+                value = response.headers.get("retry-after")
+                outcome.retry_after = float(value) if value else None
+                outcome.error = f"http {response.status_code}"
+                return outcome
+            last = sent
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                raw = line[6:].encode()
+                if raw == b"[DONE]":
+                    done = True
+                elif raw.startswith(b'{"error"'):
+                    outcome.error = json.loads(raw)["error"].get("type", "error")
+                elif _CONTENT.search(raw):
+                    last = time.perf_counter()
+                    if outcome.ttft is None:
+                        outcome.ttft = last - sent
+                elif b'"usage":{' in raw:
+                    usage = json.loads(raw).get("usage") or {}
+                    outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
+            if not done and outcome.error is None:
+                outcome.error = "stream ended without [DONE]"
+            if outcome.error is None:
+                outcome.e2e = last - sent
+                if outcome.ttft is not None and outcome.completion_tokens > 1:
+                    outcome.tpot = (outcome.e2e - outcome.ttft) / (outcome.completion_tokens - 1)
+    except httpx.HTTPError as exc:
+        outcome.error = type(exc).__name__
+        outcome.lost = outcome.status == 0
+    return outcome
+
+
+def arrival_times(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Offsets (s) of a Poisson process of ``rate`` per second over ``duration_s``."""
+    times: list[float] = []
+    t = rng.expovariate(rate)
+    while t < duration_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def write_json(name: str, payload: Mapping[str, Any]) -> Path:
+    """Write ``bench/results/<name>.json`` and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=lambda v: None) + "\n")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
