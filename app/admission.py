@@ -8,8 +8,9 @@ target, so running streams keep their pace.
 
 Otherwise the request waits in one priority queue (higher tier first, earliest deadline first
 within a tier) as long as waiting can still meet its TTFT target, up to the tier's maximum
-wait. When it cannot, it is rejected with 429 and a Retry-After computed from the observed
-drain rate; a queued request whose deadline passes gets 503 and a Retry-After. A full queue
+wait. When it cannot (its prefill alone is too long, or the requests queued ahead of it will
+not have left by its deadline at the observed drain rate), it is rejected at once with 429 and
+a Retry-After computed from that drain rate; a queued request whose deadline passes gets 503 and a Retry-After. A full queue
 sheds a sheddable request of a lower tier to make room for a more urgent one.
 
 Capacity freed by a finished request or a completed prefill wakes the dispatcher at once; a
@@ -147,7 +148,9 @@ class AdmissionController:
                 return choice, 0.0
         latest_start = ticket.arrival + ticket.tier.ttft_slo_s - self._min_service(ticket)
         ticket.deadline = min(ticket.arrival + ticket.tier.max_queue_wait_s, latest_start)
-        if ticket.deadline <= now:
+        # Waiting only to be told no at the deadline helps nobody: if the work ahead of it,
+        # at the rate requests are leaving the workers, will not be gone by then, say so now.
+        if ticket.deadline <= now or now + self._expected_wait(ticket) > ticket.deadline:
             self._decide(tier, "rejected")
             raise Overloaded(
                 f"The gateway cannot meet the '{tier}' tier's {ticket.tier.ttft_slo_s:g} s "
@@ -304,6 +307,17 @@ class AdmissionController:
         if len(recent) < 2:
             return 0.0
         return len(recent) / max(now - recent[0], 1.0)
+
+    def _expected_wait(self, ticket: Ticket) -> float:
+        """Seconds until the requests queued ahead of ``ticket``, and then it, get a slot.
+
+        Zero while nothing has been seen to leave the workers (no evidence of a wait yet).
+        """
+        rate = self.drain_rate()
+        if rate <= 0:
+            return 0.0
+        ahead = 1 + sum(1 for t in self._queue if t.tier.priority <= ticket.tier.priority)
+        return ahead / rate
 
     def _retry_after(self, ticket: Ticket) -> float:
         """When capacity for this request is likely: the work ahead of it over the drain rate."""

@@ -168,6 +168,17 @@ async def test_retry_after_follows_the_observed_drain_rate() -> None:
     # ahead: Retry-After ~ 1 / 2 per s.
     assert admission._retry_after(_ticket(settings, clock, "interactive")) == pytest.approx(0.5)
     assert admission._retry_after(_ticket(settings, clock, "batch")) == pytest.approx(3.0)
+    # The worker is full and 2 requests/s leave it: an interactive request (1 s target) can
+    # wait 0.5 s for a slot, and is queued; a second one would wait 1 s, past its deadline,
+    # so it is told at once (429), with that wait as its Retry-After.
+    first = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
+    await asyncio.sleep(0)
+    assert not first.done()
+    with pytest.raises(Overloaded) as caught:
+        await admission.admit(_ticket(settings, clock, "interactive"))
+    assert caught.value.status_code == 429
+    assert caught.value.headers()["retry-after-ms"] == "1000"
+    queued.append(first)
     for task in queued:
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
