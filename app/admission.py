@@ -1,17 +1,20 @@
 """SLO-aware admission: admit, queue or reject each request, highest tier first.
 
-For a request and its best worker the controller predicts TTFT (the prefill work ahead of it
-plus its own prompt, at the worker's learnt prefill speed) and TPOT (the decode step time of
-the batch it would join). It admits when both fit the tier's targets and the worker is under
-its concurrency cap: the largest batch whose predicted TPOT still meets the strictest TPOT
-target, so running streams keep their pace.
+For a request the controller picks the worker with the lowest predicted TTFT (the prefill
+work ahead of it plus its own prompt, at the worker's learnt prefill speed) among those under
+both of their limits, which follow the latencies requests actually get there
+(:mod:`app.limiter`): the concurrency limit grows while streams keep the strictest TPOT target
+and shrinks when they do not, so running streams keep their pace; the prefill limit does the
+same for the worker's own time to first token, so the backlog waits in the gateway's queue,
+where tiers apply, rather than first come, first served inside vLLM.
 
 Otherwise the request waits in one priority queue (higher tier first, earliest deadline first
 within a tier) as long as waiting can still meet its TTFT target, up to the tier's maximum
 wait. When it cannot (its prefill alone is too long, or the requests queued ahead of it will
 not have left by its deadline at the observed drain rate), it is rejected at once with 429 and
-a Retry-After computed from that drain rate; a queued request whose deadline passes gets 503 and a Retry-After. A full queue
-sheds a sheddable request of a lower tier to make room for a more urgent one.
+a Retry-After computed from that drain rate; a queued request whose deadline passes gets 503
+and a Retry-After. A full queue sheds a sheddable request of a lower tier to make room for a
+more urgent one.
 
 Capacity freed by a finished request or a completed prefill wakes the dispatcher at once; a
 short periodic tick catches deadlines and predictions that change with time.
@@ -40,6 +43,10 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.05
 _DRAIN_WINDOW_S = 10.0
 _MAX_RETRY_AFTER_S = 60.0
+# Share of a worker's running limit kept free for the top tier.
+_TOP_TIER_SHARE = 0.1
+# How long lower tiers yield after a higher tier had a request turned away.
+_SHORTAGE_S = 2.0
 
 
 @dataclass(eq=False, slots=True)
@@ -86,43 +93,94 @@ class AdmissionController:
         self._ticker: asyncio.Task[None] | None = None
         targets = [t.tpot_slo_s for t in settings.tiers if t.tpot_slo_s is not None]
         self._tpot_target = min(targets) if targets else None
+        self._ttft_target = min(t.ttft_slo_s for t in settings.tiers)
+        self._priorities = {t.name: t.priority for t in settings.tiers}
+        self._top_priority = min(self._priorities.values())
+        self._short_until: dict[int, float] = {}
         for tier in settings.tiers:
             metrics.queue_depth.labels(tier.name).set(0)
 
     # Capacity -----------------------------------------------------------------------------
 
     def cap(self, worker: Worker) -> int:
-        """The most requests ``worker`` may run while keeping the strictest TPOT target."""
-        limit = self._settings.max_running_per_worker
-        if self._tpot_target is None:
-            return limit
-        decode = worker.latency.decode
-        slope = decode.slope
-        if slope <= 0:
-            return limit
-        fits = (self._tpot_target * self._settings.ttft_headroom - decode.intercept) / slope
-        return max(1, min(limit, math.floor(fits + 1e-9)))
+        """The most requests ``worker`` may run now: its feedback-steered limit."""
+        return min(self._settings.max_running_per_worker, worker.limit.limit)
 
-    def _busy(self, worker: Worker) -> int:
-        return worker.in_flight + sum(1 for c in self._reserved.values() if c.worker is worker)
+    def prefill_cap(self, worker: Worker) -> int:
+        """The most requests that may be prefilling on ``worker`` at once."""
+        return min(self._settings.max_running_per_worker, worker.prefill_limit.limit)
+
+    def learn(
+        self,
+        worker: Worker,
+        worker_ttft_s: float | None,
+        tpot_s: float | None,
+        prefill_peers: int,
+    ) -> None:
+        """Steer ``worker``'s limits by a finished stream's latencies.
+
+        The running limit follows TPOT against the strictest TPOT target. The prefill limit
+        follows the worker's own part of TTFT (dispatch to first token) against half the
+        strictest TTFT target, the other half being left for the wait in the queue: requests
+        dispatched into vLLM wait there first come, first served, so the gateway keeps the
+        worker's prefill queue short and the backlog in its own queue, where tiers apply.
+        Both with the TTFT headroom. ``prefill_peers`` is how many were prefilling with it.
+        """
+        headroom = self._settings.ttft_headroom
+        now = self._clock()
+        if tpot_s is not None and self._tpot_target is not None:
+            ok = tpot_s <= headroom * self._tpot_target
+            worker.limit.on_result(ok, worker.in_flight + 1, now)
+        if worker_ttft_s is not None:
+            ok = worker_ttft_s <= headroom * self._ttft_target / 2
+            worker.prefill_limit.on_result(ok, prefill_peers, now)
+
+    def export(self) -> None:
+        """Refresh each worker's concurrency limit and learnt latency model (before an export)."""
+        metrics = self._metrics
+        for worker in self._pool.workers.values():
+            label = worker.label
+            latency = worker.latency
+            metrics.worker_concurrency_limit.labels(label).set(self.cap(worker))
+            metrics.worker_prefill_limit.labels(label).set(self.prefill_cap(worker))
+            slope = latency.prefill.slope
+            metrics.worker_prefill_rate.labels(label).set(1.0 / slope if slope > 0 else 0.0)
+            metrics.worker_decode_step.labels(label).set(latency.decode.predict(1))
+            metrics.worker_decode_per_sequence.labels(label).set(latency.decode.slope)
+
+    def _reserved_on(self, worker: Worker) -> int:
+        return sum(1 for c in self._reserved.values() if c.worker is worker)
+
+    def _full(self, worker: Worker, tier: TierSpec | None = None) -> bool:
+        """Whether ``worker`` can take no more requests of ``tier`` now.
+
+        Running or prefilling at its limit. Below the top tier the limits are a little lower
+        (a tenth of the running limit, one prefill slot): that capacity is kept for the top
+        tier, whose requests then start at once instead of waiting for lower tiers' requests
+        to finish, which cannot be preempted.
+        """
+        reserved = self._reserved_on(worker)
+        cap, prefill_cap = self.cap(worker), self.prefill_cap(worker)
+        if tier is not None and tier.priority > self._top_priority:
+            if cap > 1:
+                cap -= max(1, round(cap * _TOP_TIER_SHARE))
+            if prefill_cap > 1:
+                prefill_cap -= 1
+        return worker.in_flight + reserved >= cap or worker.prefilling + reserved >= prefill_cap
 
     def _try(self, ticket: Ticket, now: float) -> Choice | None:
-        """The worker to run ``ticket`` on now, or None if no worker can meet its SLO now."""
+        """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).
+
+        None when every worker is at one of its limits. The predicted TTFT picks the worker
+        but does not hold a request back: under load the fitted prefill model was seen to
+        overestimate, which kept interactive requests queued until their deadline while the
+        workers had room. The measured-latency limits are what keep TTFT and TPOT in bounds.
+        """
         candidates = self._router.candidates(ticket.model)
-        full = frozenset(w.label for w in candidates if self._busy(w) >= self.cap(w))
+        full = frozenset(w.label for w in candidates if self._full(w, ticket.tier))
         if len(full) == len(candidates):
             return None
-        choice = self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity, full)
-        budget = ticket.tier.ttft_slo_s - (now - ticket.arrival)
-        if choice.predicted_ttft_s > self._settings.ttft_headroom * budget:
-            return None
-        tpot_target = ticket.tier.tpot_slo_s
-        if tpot_target is not None:
-            worker = choice.worker
-            load, _ = worker.current_load(now, self._settings.load_max_age_s)
-            if worker.latency.predict_tpot(max(load.running, self._busy(worker)) + 1) > tpot_target:
-                return None
-        return choice
+        return self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity, full)
 
     def _min_service(self, ticket: Ticket) -> float:
         """TTFT of the request on the fastest idle worker: no wait can make it shorter."""
@@ -141,12 +199,21 @@ class AdmissionController:
             self._decide(tier, "admitted")
             return direct, 0.0
         now = self._clock()
-        if not self._waiting_ahead(ticket):
+        fastest = self._min_service(ticket)
+        if fastest > ticket.tier.ttft_slo_s:
+            # Even an idle worker would miss the target: no wait helps, a lower tier would.
+            self._decide(tier, "rejected", shortage=False)
+            raise Overloaded(
+                f"This prompt is predicted to take {fastest:.1f} s to its first token, over the "
+                f"'{tier}' tier's {ticket.tier.ttft_slo_s:g} s target; use a lower tier.",
+                self._retry_after(ticket),
+            )
+        if not self._waiting_ahead(ticket) and not self._yields(ticket.tier, now):
             choice = self._try(ticket, now)
             if choice is not None:
                 self._decide(tier, "admitted")
                 return choice, 0.0
-        latest_start = ticket.arrival + ticket.tier.ttft_slo_s - self._min_service(ticket)
+        latest_start = ticket.arrival + ticket.tier.ttft_slo_s - fastest
         ticket.deadline = min(ticket.arrival + ticket.tier.max_queue_wait_s, latest_start)
         # Waiting only to be told no at the deadline helps nobody: if the work ahead of it,
         # at the rate requests are leaving the workers, will not be gone by then, say so now.
@@ -249,7 +316,7 @@ class AdmissionController:
                 )
                 continue
             # Strict priority within a model: nobody overtakes a blocked request of its model.
-            if ticket.model in blocked:
+            if ticket.model in blocked or self._yields(ticket.tier, now):
                 continue
             try:
                 choice = self._try(ticket, now)
@@ -297,8 +364,18 @@ class AdmissionController:
         del self._keys[index]
         self._metrics.queue_depth.labels(ticket.tier.name).dec()
 
-    def _decide(self, tier: str, decision: str) -> None:
+    def _decide(self, tier: str, decision: str, shortage: bool = True) -> None:
         self._metrics.admission_decisions.labels(tier, decision).inc()
+        if shortage and decision in ("rejected", "expired"):
+            # Capacity is short for this tier: lower tiers yield for a while.
+            priority = self._priorities[tier]
+            self._short_until[priority] = self._clock() + _SHORTAGE_S
+
+    def _yields(self, tier: TierSpec, now: float) -> bool:
+        """Whether ``tier`` must leave free capacity to a higher tier that is short of it."""
+        return any(
+            until > now for priority, until in self._short_until.items() if priority < tier.priority
+        )
 
     def drain_rate(self) -> float:
         """Requests leaving the workers per second, over the last few seconds."""

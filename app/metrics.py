@@ -138,6 +138,31 @@ class GatewayMetrics:
             "gateway_worker_memory_bandwidth_bytes_per_second",
             "The worker's configured memory bandwidth.", by_worker, registry=reg,
         )  # fmt: skip
+        self.worker_concurrency_limit = Gauge(
+            "gateway_worker_concurrency_limit",
+            "Most requests admission lets run on the worker (keeps the strictest TPOT target).",
+            by_worker, registry=reg,
+        )  # fmt: skip
+        self.worker_prefill_limit = Gauge(
+            "gateway_worker_prefill_concurrency_limit",
+            "Most requests admission lets prefill on the worker at once (keeps TTFT short).",
+            by_worker, registry=reg,
+        )  # fmt: skip
+        self.worker_prefill_rate = Gauge(
+            "gateway_worker_prefill_tokens_per_second",
+            "Learnt prefill speed of the worker (inverse of the TTFT model's per-token slope).",
+            by_worker, registry=reg,
+        )  # fmt: skip
+        self.worker_decode_step = Gauge(
+            "gateway_worker_decode_step_seconds",
+            "Learnt TPOT model: time per decode step with one sequence running.",
+            by_worker, registry=reg,
+        )  # fmt: skip
+        self.worker_decode_per_sequence = Gauge(
+            "gateway_worker_decode_seconds_per_sequence",
+            "Learnt TPOT model: how much each running sequence adds to a decode step.",
+            by_worker, registry=reg,
+        )  # fmt: skip
         by_tier_only = ["tier"]
         self.admission_decisions = Counter(
             "gateway_admission_decisions",
@@ -184,6 +209,8 @@ class GatewayMetrics:
             self.worker_failovers, self.worker_running, self.worker_waiting, self.worker_kv_cache,
             self.worker_load_age, self.worker_in_flight, self.worker_ttft, self.worker_itl,
             self.worker_completion_tokens, self.worker_roofline, self.worker_bandwidth,
+            self.worker_concurrency_limit, self.worker_prefill_limit, self.worker_prefill_rate,
+            self.worker_decode_step, self.worker_decode_per_sequence,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}
 

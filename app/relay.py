@@ -73,7 +73,9 @@ class RelayDeps:
 class _Attempt:
     """One try of a request on one worker: keeps the worker's load accounting right."""
 
-    __slots__ = ("choice", "dispatched", "first", "own_tokens", "running", "tier", "worker")
+    __slots__ = (
+        "choice", "dispatched", "first", "own_tokens", "prefill_peers", "running", "tier", "worker",
+    )  # fmt: skip
 
     def __init__(
         self, deps: RelayDeps, choice: Choice, own_tokens: float, now: float, tier: str
@@ -86,6 +88,8 @@ class _Attempt:
         self.first: float | None = None
         self.running = float(worker.in_flight)
         worker.in_flight += 1
+        worker.prefilling += 1
+        self.prefill_peers = worker.prefilling
         worker.prefill_tokens_ahead += own_tokens
         deps.metrics.worker_routed.labels(worker.label).inc()
         deps.metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
@@ -97,6 +101,7 @@ class _Attempt:
         self.first = at
         worker = self.worker
         worker.prefill_tokens_ahead -= self.own_tokens
+        worker.prefilling -= 1
         deps.pool.report_success(worker)
         ttft = at - self.dispatched
         worker.latency.observe_ttft(self.choice.prefill_work, ttft)
@@ -112,6 +117,7 @@ class _Attempt:
         worker.in_flight -= 1
         if self.first is None:
             worker.prefill_tokens_ahead -= self.own_tokens
+            worker.prefilling -= 1
         deps.metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
 
 
@@ -409,6 +415,13 @@ class Relay(Response):
                 if self._outcome == "ok" and summary.tpot_s is not None:
                     running = (attempt.running + attempt.worker.in_flight + 1) / 2
                     attempt.worker.latency.observe_tpot(running, summary.tpot_s)
+                if self._outcome == "ok" and self._request.stream:
+                    worker_ttft = (
+                        None if attempt.first is None else attempt.first - attempt.dispatched
+                    )
+                    deps.admission.learn(
+                        attempt.worker, worker_ttft, summary.tpot_s, attempt.prefill_peers
+                    )
         if deps.settings.access_log:
             log.info(
                 "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "

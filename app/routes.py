@@ -102,6 +102,7 @@ async def readyz(state: State) -> JSONResponse:
 async def metrics(state: State) -> PlainTextResponse:
     """Prometheus exposition of the gateway's metrics."""
     state.pool.export()
+    state.relay_deps.admission.export()
     state.goodput.export()
     return PlainTextResponse(
         generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST

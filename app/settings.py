@@ -227,6 +227,12 @@ class Settings(BaseSettings):
     max_running_per_worker: int = Field(
         default=256, ge=1, description="Hard cap on a worker's concurrent requests."
     )
+    initial_running_per_worker: int = Field(
+        default=8,
+        ge=1,
+        description="Concurrency limit a new worker starts with; it then follows the measured "
+        "TPOT and TTFT (up while within the targets, down when over).",
+    )
     hardware: Hardware | None = Field(
         default=None,
         description="Roofline figures (JSON: memory_bandwidth_gbs, model_params_billion, "

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from app.discovery import Resolver, discover
+from app.limiter import ConcurrencyLimit
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import OTHER_MODEL, GatewayMetrics
 from app.predictor import LatencyModel, WorkerLoad
@@ -33,7 +34,12 @@ log = logging.getLogger(__name__)
 class Worker:
     """One vLLM worker and what the gateway knows about it."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        limit: ConcurrencyLimit | None = None,
+        prefill_limit: ConcurrencyLimit | None = None,
+    ) -> None:
         self.spec = spec
         self.label = spec.label
         self.models: set[str] = set(spec.models)
@@ -49,6 +55,12 @@ class Worker:
         self.last_ejected: float | None = None
         self.load: LoadSample | None = None
         self.latency = LatencyModel()
+        self.limit = limit or ConcurrencyLimit(initial=8, maximum=256)
+        """How many requests admission lets run here, steered by their measured TPOT."""
+        self.prefilling = 0
+        """Requests sent here that have not produced their first token yet."""
+        self.prefill_limit = prefill_limit or ConcurrencyLimit(initial=2, maximum=256)
+        """How many may be prefilling at once, steered by their measured time to first token."""
         self.context_tokens = 0.0
         """Running average of prompt + completion tokens per request (for the roofline)."""
         self._busy: set[str] = set()
@@ -107,7 +119,12 @@ class WorkerPool:
     # Membership ---------------------------------------------------------------------------
 
     def _add(self, spec: WorkerSpec) -> Worker:
-        worker = Worker(spec)
+        settings = self.settings
+        limit = ConcurrencyLimit(
+            initial=settings.initial_running_per_worker, maximum=settings.max_running_per_worker
+        )
+        prefill_limit = ConcurrencyLimit(initial=2, maximum=settings.max_running_per_worker)
+        worker = Worker(spec, limit, prefill_limit)
         self.workers[worker.label] = worker
         self._metrics.worker_up.labels(worker.label).set(0)
         self._metrics.worker_ejected.labels(worker.label).set(0)

@@ -767,10 +767,35 @@ def workers() -> Json:
         panel(
             "timeseries",
             "Load signal age",
-            "Age of the worker's load figures at export time; above a few seconds routing and "
-            "admission treat the worker as busy.",
+            "Age of the worker's load figures at export time; above a few seconds routing ranks "
+            "the worker behind every fresh one.",
             refs([(f"max by (worker) (gateway_worker_load_age_seconds{{{W}}})", "{{worker}}")]),
             unit="s",
+        ),
+        panel(
+            "timeseries",
+            "Admission limits",
+            "Requests the gateway has open on the worker against the limits admission steers "
+            "from measured latency: the concurrency limit (follows TPOT against the strictest "
+            "TPOT target) and the prefill limit (follows the worker's time to first token). "
+            "Open requests at the limit mean the gateway's queue, not the worker's, holds the "
+            "backlog.",
+            refs(
+                [
+                    (
+                        f"max by (worker) (gateway_worker_in_flight_requests{{{W}}})",
+                        "open {{worker}}",
+                    ),
+                    (
+                        f"max by (worker) (gateway_worker_concurrency_limit{{{W}}})",
+                        "limit {{worker}}",
+                    ),
+                    (
+                        f"max by (worker) (gateway_worker_prefill_concurrency_limit{{{W}}})",
+                        "prefill limit {{worker}}",
+                    ),
+                ]
+            ),
         ),
         row("Measured latency per worker"),
         panel(

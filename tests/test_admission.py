@@ -21,6 +21,7 @@ from app.errors import (
     TierNotAllowed,
 )
 from app.goodput import GoodputTracker, slo_result
+from app.limiter import ConcurrencyLimit
 from app.metrics import GatewayMetrics
 from app.routing import Router
 from app.settings import Settings, TierSpec
@@ -80,19 +81,63 @@ def _decisions(metrics: GatewayMetrics, tier: str, decision: str) -> float:
     return value or 0.0
 
 
-async def test_idle_worker_admits_at_once_and_the_cap_follows_the_decode_model() -> None:
+async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency() -> None:
     clock = FakeClock()
-    admission, pool, metrics, settings = _controller(clock)
+    admission, pool, metrics, settings = _controller(clock, initial_running_per_worker=8)
     worker = pool.workers["a:1"]
     choice, waited = await admission.admit(_ticket(settings, clock, "interactive"))
     assert choice.worker is worker
     assert waited == 0.0
-    # Prior decode model: 20 ms + 1 ms per sequence; strictest TPOT target 100 ms x 0.8.
-    assert admission.cap(worker) == 60
-    for running in range(1, 40):  # learn a worker whose steps slow by 4 ms per sequence
-        worker.latency.observe_tpot(running, 0.01 + 0.004 * running)
-    assert admission.cap(worker) == pytest.approx(17, abs=1)
+    assert admission.cap(worker) == 8
+    # Streams within the TPOT target (50 ms <= 0.8 x 100 ms) while the limit was binding: +1.
+    worker.in_flight = 7
+    for _ in range(4):
+        admission.learn(worker, None, 0.05, 1)
+        worker.in_flight = admission.cap(worker) - 1
+    assert admission.cap(worker) == 12
+    # Not binding (few requests running): no evidence that more would fit, no change.
+    worker.in_flight = 2
+    admission.learn(worker, None, 0.05, 1)
+    assert admission.cap(worker) == 12
+    # Slow decode: one cut by 10%, then none until a second has passed.
+    admission.learn(worker, None, 0.09, 1)
+    assert admission.cap(worker) == 10
+    admission.learn(worker, None, 0.09, 1)
+    assert admission.cap(worker) == 10
+    # The prefill limit follows the worker's TTFT against half the strictest TTFT target
+    # (0.8 x 1 s / 2): quick first tokens while it was binding raise it, a slow one cuts it.
+    assert admission.prefill_cap(worker) == 2
+    admission.learn(worker, 0.2, None, 2)
+    admission.learn(worker, 0.2, None, 3)
+    assert admission.prefill_cap(worker) == 4
+    clock.now += 1.0
+    admission.learn(worker, 0.5, None, 4)
+    assert admission.prefill_cap(worker) == 3
+    assert admission.cap(worker) == 10
+    # A worker at its prefill limit takes no more requests, though it has running slots.
+    worker.in_flight, worker.prefilling = 3, 3
+    assert admission._full(worker)
+    worker.prefilling = 2
+    assert not admission._full(worker)
+    # Below the top tier, one prefill slot stays free for it.
+    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+    assert not admission._full(worker, interactive)
+    assert admission._full(worker, batch)
+    worker.in_flight = worker.prefilling = 0
+    # The hard cap bounds it.
+    capped, pool2, _, _ = _controller(clock, max_running_per_worker=3)
+    assert capped.cap(pool2.workers["a:1"]) == 3
     assert _decisions(metrics, "interactive", "admitted") == 1
+
+
+def test_concurrency_limit_never_leaves_its_bounds() -> None:
+    limit = ConcurrencyLimit(initial=2, maximum=4, minimum=1, decrease=0.5, cooldown_s=0)
+    for _ in range(10):
+        limit.on_result(True, 100, 0.0)
+    assert limit.limit == 4
+    for t in range(10):
+        limit.on_result(False, 1, float(t))
+    assert limit.limit == 1
 
 
 async def test_full_worker_queues_by_tier_then_deadline_and_dispatches_when_freed() -> None:
@@ -138,6 +183,19 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     assert caught.value.status_code == 503
     assert int(caught.value.headers()["retry-after"]) >= 1
     assert _decisions(metrics, "interactive", "expired") == 1
+    # Capacity was short for interactive: for a while, lower tiers leave freed capacity to it.
+    pool.workers["a:1"].in_flight = 0
+    batch = asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
+    await asyncio.sleep(0)
+    assert not batch.done()
+    assert _decisions(metrics, "batch", "queued") == 1
+    interactive, _ = await admission.admit(_ticket(settings, clock, "interactive"))
+    assert interactive.worker is pool.workers["a:1"]
+    clock.now += 2.5  # the shortage is over: the batch request runs
+    admission._dispatch()
+    choice, waited = await batch
+    assert choice.worker is pool.workers["a:1"]
+    assert waited == pytest.approx(2.5)
 
 
 async def test_a_request_that_cannot_meet_its_ttft_even_by_waiting_is_rejected_429() -> None:

@@ -1,0 +1,54 @@
+"""A worker's concurrency limit, steered by the latencies its requests actually get.
+
+Decode slows as the batch grows and prefill of new arrivals stalls the running streams, so the
+number of requests a worker can run while keeping a TPOT target depends on the model, the
+hardware, the prompt mix and the arrival rate. Rather than trusting a fitted model of all that
+(fits were seen to swing by 10x under load), the limit is found by feedback, as TCP finds a
+window (additive increase, multiplicative decrease):
+
+* a request that finished within the targets while the limit was what held it back raises the
+  limit by one;
+* a request that missed a target (TPOT over the strictest TPOT target, or the worker's own
+  time to first token over its share of the strictest TTFT target, both with headroom) cuts it
+  by ``decrease``, at most once per ``cooldown_s`` since one overload is seen by every request
+  that lived through it.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ConcurrencyLimit:
+    """Additive-increase / multiplicative-decrease limit on one worker's running requests."""
+
+    __slots__ = ("_cooldown", "_decrease", "_last_cut", "maximum", "minimum", "value")
+
+    def __init__(
+        self,
+        initial: float,
+        maximum: float,
+        minimum: float = 1.0,
+        decrease: float = 0.9,
+        cooldown_s: float = 1.0,
+    ) -> None:
+        self.maximum = maximum
+        self.minimum = minimum
+        self.value = max(minimum, min(maximum, initial))
+        self._decrease = decrease
+        self._cooldown = cooldown_s
+        self._last_cut = -math.inf
+
+    @property
+    def limit(self) -> int:
+        """The whole number of requests that may run."""
+        return max(1, math.floor(self.value + 1e-9))
+
+    def on_result(self, within_targets: bool, in_flight: int, now: float) -> None:
+        """Learn from one finished request; ``in_flight`` includes it."""
+        if not within_targets:
+            if now - self._last_cut >= self._cooldown:
+                self.value = max(self.minimum, self.value * self._decrease)
+                self._last_cut = now
+        elif in_flight >= self.limit:
+            self.value = min(self.maximum, self.value + 1.0)
