@@ -16,6 +16,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, Final
 
 import httpx
@@ -40,6 +42,15 @@ _TEXT: Final = (
 )
 _WORDS: Final = tuple(_TEXT.split())
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit, so that every worker and gateway started gets stopped."""
+
+    def _raise(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 def log(message: str) -> None:

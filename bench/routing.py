@@ -35,6 +35,7 @@ from bench.live import (
     running_gateway,
     running_workers,
     stream_chat,
+    unwind_on_sigterm,
     write_json,
 )
 from scripts.vllm_worker import cpu_binding
@@ -165,6 +166,7 @@ async def _main(args: argparse.Namespace, workers: Sequence[str]) -> list[dict[s
 def main(argv: Sequence[str] | None = None) -> None:
     """Run every policy against the same two workers; print and save the results."""
     args = _parse_args(argv)
+    unwind_on_sigterm()
     specs = [bench_worker(free_port(), cpu_binding(i, 2)) for i in range(2)]
     with running_workers(specs) as workers:
         urls = [w.url for w in workers]

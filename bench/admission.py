@@ -1,0 +1,321 @@
+"""Admission benchmark: SLO-aware admission on and off, real workers at ~3x capacity.
+
+``python -m bench.admission [--duration 40] [--overload 3]`` (``make bench-admission``)
+
+Two real vLLM CPU workers serve ``bench-llama`` (see :mod:`bench.live`), sharing one core; the
+other core is left to the gateway and this client. Three
+API keys map to the gateway's default tiers (interactive: TTFT 1 s, TPOT 100 ms; standard:
+TTFT 5 s, TPOT 200 ms; batch: TTFT 60 s). Every request streams a chat completion of a
+~350-900-token prompt and 64 tokens out.
+
+1. Capacity: closed loops of 2, 4, 8, ... streams per worker through the gateway (admission
+   off), ``--calibrate`` seconds each; the capacity is the best completions/s of a step whose
+   TTFT and TPOT p50 are within the interactive targets.
+2. For admission ON and then OFF (plain pass-through: every request relayed at once), a fresh
+   gateway gets the same Poisson arrivals at ``--overload`` x capacity for ``--duration``
+   seconds, a 30/50/20 interactive/standard/batch mix, after a short warm-up at capacity.
+
+Per tier it reports goodput (requests that met every SLO of their tier, per second of
+arrivals), SLO attainment (met / sent), TTFT and TPOT p50/p99 of the answered requests,
+rejected % (429/503 answers) and lost requests (no HTTP answer at all). Prints markdown tables
+and PASS/MISS against the targets; writes ``bench/results/admission.json``. A benchmark, not a
+test: it always exits 0 when it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import random
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from app.settings import DEFAULT_TIERS, TierSpec
+from bench.live import (
+    BENCH_MODEL,
+    Outcome,
+    arrival_times,
+    bench_worker,
+    free_port,
+    log,
+    percentile,
+    prompt_text,
+    running_gateway,
+    running_workers,
+    stream_chat,
+    unwind_on_sigterm,
+    write_json,
+)
+
+TIERS: dict[str, TierSpec] = {tier.name: tier for tier in DEFAULT_TIERS}
+MIX = (("interactive", 0.3), ("standard", 0.5), ("batch", 0.2))
+MAX_TOKENS = 64
+CALIBRATION_STREAMS = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request of the workload: when, which tier, what prompt."""
+
+    offset: float
+    tier: str
+    prompt: str
+
+
+def workload(rate: float, duration: float, rng: random.Random) -> list[Arrival]:
+    """Poisson arrivals with the tier mix and prompts of 200-500 words (~350-900 tokens)."""
+    names = [name for name, _ in MIX]
+    weights = [share for _, share in MIX]
+    return [
+        Arrival(offset, rng.choices(names, weights)[0], prompt_text(rng.randint(200, 500), rng))
+        for offset in arrival_times(rate, duration, rng)
+    ]
+
+
+def met_slo(outcome: Outcome, tier: TierSpec) -> bool:
+    """Whether an answered request met every SLO of its tier."""
+    if not outcome.ok or outcome.ttft is None or outcome.ttft > tier.ttft_slo_s:
+        return False
+    return tier.tpot_slo_s is None or (outcome.tpot is not None and outcome.tpot <= tier.tpot_slo_s)
+
+
+async def drive(
+    gateway: str, arrivals: Sequence[Arrival], keys: Mapping[str, str]
+) -> list[Outcome]:
+    """Send every arrival at its time (open loop); wait for every answer."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(arrival: Arrival) -> Outcome:
+            await asyncio.sleep(max(0.0, start + arrival.offset - time.perf_counter()))
+            return await stream_chat(
+                client,
+                gateway,
+                model=BENCH_MODEL,
+                prompt=arrival.prompt,
+                max_tokens=MAX_TOKENS,
+                tag=arrival.tier,
+                headers={"authorization": f"Bearer {keys[arrival.tier]}"},
+            )
+
+        return await asyncio.gather(*(one(a) for a in arrivals))
+
+
+async def closed_loop(
+    gateway: str, streams: int, seconds: float, key: str, rng: random.Random
+) -> list[Outcome]:
+    """``streams`` clients sending back to back for ``seconds``; every finished outcome."""
+    stop = time.perf_counter() + seconds
+    outcomes: list[Outcome] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def loop() -> None:
+            while time.perf_counter() < stop:
+                outcomes.append(
+                    await stream_chat(
+                        client,
+                        gateway,
+                        model=BENCH_MODEL,
+                        prompt=prompt_text(rng.randint(200, 500), rng),
+                        max_tokens=MAX_TOKENS,
+                        headers={"authorization": f"Bearer {key}"},
+                    )
+                )
+
+        await asyncio.gather(*(loop() for _ in range(streams)))
+    return outcomes
+
+
+async def calibrate(
+    gateway: str, workers: int, seconds: float, key: str, rng: random.Random
+) -> tuple[float, list[dict[str, float]]]:
+    """Capacity: the best throughput of a closed loop that still meets the strictest SLOs.
+
+    Closed loops of 2, 4, 8, ... streams per worker (admission off); the capacity is the
+    highest completions/s among the steps whose TTFT p50 and TPOT p50 are within the
+    interactive tier's targets. Returns it and every step's figures.
+    """
+    strict = TIERS["interactive"]
+    best = 0.0
+    steps: list[dict[str, float]] = []
+    for per_worker in CALIBRATION_STREAMS:
+        started = time.perf_counter()
+        outcomes = await closed_loop(gateway, per_worker * workers, seconds, key, rng)
+        elapsed = time.perf_counter() - started
+        ok = [o for o in outcomes if o.ok]
+        ttft = percentile([o.ttft for o in ok if o.ttft is not None], 50)
+        tpot = percentile([o.tpot for o in ok if o.tpot is not None], 50)
+        rate = len(ok) / elapsed
+        steps.append({"streams_per_worker": per_worker, "rps": rate, "ttft_p50_s": ttft,
+                      "tpot_p50_s": tpot})  # fmt: skip
+        log(f"calibration: {per_worker} streams/worker: {rate:.2f} req/s, TTFT p50 "
+            f"{ttft * 1000:.0f} ms, TPOT p50 {tpot * 1000:.1f} ms")  # fmt: skip
+        if ttft <= strict.ttft_slo_s and tpot <= (strict.tpot_slo_s or math.inf):
+            best = max(best, rate)
+        else:
+            break
+    return best, steps
+
+
+def summarize(outcomes: Sequence[Outcome], duration: float) -> dict[str, dict[str, Any]]:
+    """Per tier (and ``all``): goodput, attainment, latency percentiles, rejections, losses."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name in [*TIERS, "all"]:
+        mine = [o for o in outcomes if name in ("all", o.tag)]
+        answered = [o for o in mine if o.ok]
+        met = [o for o in mine if met_slo(o, TIERS[o.tag])]
+        ttfts = [o.ttft * 1000 for o in answered if o.ttft is not None]
+        tpots = [o.tpot * 1000 for o in answered if o.tpot is not None]
+        rejected = [o for o in mine if o.status in (429, 503)]
+        rows[name] = {
+            "sent": len(mine),
+            "answered_ok": len(answered),
+            "met_slo": len(met),
+            "goodput_rps": len(met) / duration,
+            "attainment": len(met) / len(mine) if mine else None,
+            "ttft_ms_p50": percentile(ttfts, 50),
+            "ttft_ms_p99": percentile(ttfts, 99),
+            "tpot_ms_p50": percentile(tpots, 50),
+            "tpot_ms_p99": percentile(tpots, 99),
+            "rejected": len(rejected),
+            "rejected_pct": 100 * len(rejected) / len(mine) if mine else None,
+            "other_errors": len(mine) - len(answered) - len(rejected),
+            "lost": sum(o.lost for o in mine),
+            "retry_after_s": sorted({o.retry_after for o in rejected if o.retry_after}),
+        }
+    return rows
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or value != value:  # None or NaN
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def table(modes: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """One markdown table: a row per mode and tier."""
+    lines = [
+        "| admission | tier | sent | goodput req/s | SLO attainment | TTFT p50 / p99 ms "
+        "| TPOT p50 / p99 ms | rejected | other errors | lost |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, rows in modes.items():
+        for tier, r in rows.items():
+            attainment = None if r["attainment"] is None else 100 * r["attainment"]
+            lines.append(
+                f"| {mode} | {tier} | {r['sent']} | {_fmt(r['goodput_rps'], 2)} "
+                f"| {_fmt(attainment)}% | {_fmt(r['ttft_ms_p50'], 0)} / "
+                f"{_fmt(r['ttft_ms_p99'], 0)} | {_fmt(r['tpot_ms_p50'])} / "
+                f"{_fmt(r['tpot_ms_p99'])} | {_fmt(r['rejected_pct'])}% | {r['other_errors']} "
+                f"| {r['lost']} |"
+            )
+    return "\n".join(lines)
+
+
+def checks(modes: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
+    """PASS/MISS lines against the targets."""
+    on, off = modes["on"], modes["off"]
+    interactive = on["interactive"]["attainment"] or 0.0
+    ratio = on["all"]["goodput_rps"] / max(off["all"]["goodput_rps"], 1e-9)
+    lost = on["all"]["lost"] + off["all"]["lost"]
+    return [
+        f"{'PASS' if interactive >= 0.95 else 'MISS'} interactive SLO attainment with "
+        f"admission on: {100 * interactive:.1f}% (target >= 95%)",
+        f"{'PASS' if ratio >= 2 else 'MISS'} overall goodput on / off: {ratio:.2f}x "
+        f"({on['all']['goodput_rps']:.2f} vs {off['all']['goodput_rps']:.2f} req/s; target >= 2x)",
+        f"{'PASS' if lost == 0 else 'MISS'} every request answered: {lost} lost",
+    ]
+
+
+async def run(args: argparse.Namespace, urls: Sequence[str]) -> dict[str, Any]:
+    """Calibrate, then run the same overload with admission on and off."""
+    keys = {tier: f"sk-bench-{tier}-{secrets.token_hex(8)}" for tier in TIERS}
+    key_specs = [
+        {"sha256": hashlib.sha256(key.encode()).hexdigest(), "tier": tier, "name": f"bench-{tier}"}
+        for tier, key in keys.items()
+    ]
+    base_env = {"GATEWAY_WORKERS": ",".join(urls), "GATEWAY_API_KEYS": json.dumps(key_specs)}
+    rng = random.Random(args.seed)
+
+    with running_gateway({**base_env, "GATEWAY_ADMISSION": "false"}, free_port(), "calib") as gw:
+        await closed_loop(gw, 2 * len(urls), 5, keys["standard"], rng)  # warm the workers up
+        capacity, steps = await calibrate(gw, len(urls), args.calibrate, keys["standard"], rng)
+    rate = args.overload * capacity
+    log(f"capacity {capacity:.2f} req/s; offering {rate:.2f} req/s for {args.duration:.0f} s")
+
+    arrivals = workload(rate, args.duration, random.Random(args.seed + 1))
+    warmup = workload(capacity, 8, random.Random(args.seed + 2))
+    modes: dict[str, dict[str, dict[str, Any]]] = {}
+    raw: dict[str, list[dict[str, Any]]] = {}
+    for mode in ("on", "off"):
+        env = {**base_env, "GATEWAY_ADMISSION": "true" if mode == "on" else "false"}
+        with running_gateway(env, free_port(), f"admission-{mode}") as gateway:
+            await drive(gateway, warmup, keys)
+            log(f"admission {mode}: {len(arrivals)} requests")
+            started = time.perf_counter()
+            outcomes = await drive(gateway, arrivals, keys)
+            log(f"admission {mode}: all answered after {time.perf_counter() - started:.0f} s")
+        modes[mode] = summarize(outcomes, args.duration)
+        raw[mode] = [o.as_dict() for o in outcomes]
+    return {
+        "args": vars(args),
+        "capacity_rps": capacity,
+        "calibration": steps,
+        "offered_rps": rate,
+        "tiers": {name: tier.model_dump() for name, tier in TIERS.items()},
+        "results": modes,
+        "requests": raw,
+    }
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
+    parser.add_argument("--overload", type=float, default=3.0, help="offered load / capacity")
+    parser.add_argument("--calibrate", type=float, default=10.0, help="seconds per step")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--workers",
+        help="comma-separated URLs of running workers serving bench-llama (default: start two)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the benchmark; print the tables and checks; write the JSON file."""
+    args = _parse_args(argv)
+    unwind_on_sigterm()
+    # Both workers on all CPUs but one (the default): at several times capacity the gateway
+    # and this client need a core of their own, or they, not the workers, are the bottleneck.
+    if args.workers:
+        report = asyncio.run(run(args, args.workers.split(",")))
+    else:
+        specs = [bench_worker(free_port()) for _ in range(2)]
+        with running_workers(specs) as workers:
+            report = asyncio.run(run(args, [w.url for w in workers]))
+    print(
+        f"\nTwo {BENCH_MODEL} workers sharing one core (the other is the gateway's and the "
+        f"client's). Capacity (best closed-loop throughput within the interactive targets): "
+        f"{report['capacity_rps']:.2f} req/s. Offered: Poisson {report['offered_rps']:.2f} "
+        f"req/s for {args.duration:.0f} s, "
+        f"30% interactive / 50% standard / 20% batch, ~350-900-token prompts, {MAX_TOKENS} "
+        "tokens out. Goodput = requests meeting every SLO of their tier per second of arrivals.\n"
+    )
+    print(table(report["results"]))
+    print()
+    print("\n".join(checks(report["results"])))
+    path = write_json("admission", report)
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()
