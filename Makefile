@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GATEWAY_PORT ?= 8000
 WORKER_PORT ?= 8100
+# pip's download cache stays inside the clone too (gitignored), not in ~/.cache.
+export PIP_CACHE_DIR ?= $(CURDIR)/.run/cache/pip
 
 .PHONY: help install worker ops-tools run test lint typecheck unit bench bench-routing bench-admission clean
 

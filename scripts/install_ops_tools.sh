@@ -13,6 +13,8 @@
 # except Debian's packages. CI runs as root; elsewhere sudo is used for apt-get when needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's download cache stays inside the clone (gitignored .run/), not in ~/.cache.
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$PWD/.run/cache/pip}"
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv-ops

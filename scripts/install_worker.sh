@@ -6,6 +6,8 @@
 #   PYTHON=python3.11 scripts/install_worker.sh     # interpreter for the venv (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's download cache stays inside the clone (gitignored .run/), not in ~/.cache.
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$PWD/.run/cache/pip}"
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv-worker

@@ -82,6 +82,17 @@ def worker_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    # vLLM's compile cache, torch inductor's and the hub's stay inside the clone (.run/cache),
+    # not in ~/.cache or /tmp, so nothing is left or reused outside it.
+    cache = RUN_DIR / "cache"
+    for key, sub in (
+        ("VLLM_CACHE_ROOT", "vllm"),
+        ("TORCHINDUCTOR_CACHE_DIR", "torchinductor"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("HF_HOME", "huggingface"),
+        ("XDG_CACHE_HOME", "xdg"),
+    ):
+        env.setdefault(key, str(cache / sub))
     if cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     # The gateway's venv must not leak into the worker's interpreter.
