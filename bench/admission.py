@@ -44,9 +44,7 @@ from bench.live import (
     Outcome,
     arrival_times,
     bench_worker,
-    free_port,
     log,
-    percentile,
     prompt_text,
     running_gateway,
     running_workers,
@@ -54,6 +52,7 @@ from bench.live import (
     unwind_on_sigterm,
     write_json,
 )
+from bench.overhead import free_port, percentile
 
 TIERS: dict[str, TierSpec] = {tier.name: tier for tier in DEFAULT_TIERS}
 MIX = (("interactive", 0.3), ("standard", 0.5), ("batch", 0.2))

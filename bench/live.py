@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -56,17 +54,6 @@ def unwind_on_sigterm() -> None:
 def log(message: str) -> None:
     """Progress on stderr, so stdout keeps only the tables."""
     print(message, file=sys.stderr, flush=True)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def prompt_text(words: int, rng: random.Random) -> str:
@@ -267,11 +254,3 @@ def write_json(name: str, payload: Mapping[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=lambda v: None) + "\n")
     return path
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port

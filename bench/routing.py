@@ -28,9 +28,7 @@ from bench.live import (
     Outcome,
     arrival_times,
     bench_worker,
-    free_port,
     log,
-    percentile,
     prompt_text,
     running_gateway,
     running_workers,
@@ -38,6 +36,7 @@ from bench.live import (
     unwind_on_sigterm,
     write_json,
 )
+from bench.overhead import free_port, percentile
 from scripts.vllm_worker import cpu_binding
 
 POLICIES = ("round_robin", "least_outstanding", "predicted_ttft")
