@@ -103,6 +103,9 @@ async def pool_url(vllm_worker_url: str, worker_b: VllmWorker) -> AsyncIterator[
     settings = settings_for(
         f"{vllm_worker_url},{worker_b.url}",
         routing="round_robin",
+        # Admission's limits would hold some requests back and reorder who goes where; these
+        # tests are about the pool, so every request is relayed at once.
+        admission=False,
         # Slower than a request, so that right after the kill it is the requests that find B
         # dead (failover, ejection), not the probe.
         probe_interval_s=2.0,
