@@ -10,6 +10,9 @@ Two straight lines per worker, each fitted by exponentially weighted least squar
 
 Both start from priors (pseudo-observations) so they predict something sane before any data,
 and forget old data so they follow a worker whose speed changes.
+
+Routing uses the prefill line to rank workers; both lines are exported as gauges. Admission
+does not gate on them (see :mod:`app.limiter`): under load the fits were seen to swing by 10x.
 """
 
 from __future__ import annotations
@@ -100,10 +103,6 @@ class LatencyModel:
     def predict_ttft(self, own_tokens: float, load: WorkerLoad) -> float:
         """Expected time to first token if the request were dispatched now."""
         return self.prefill.predict(self.prefill_work(own_tokens, load))
-
-    def predict_tpot(self, running: float) -> float:
-        """Expected time per output token with ``running`` sequences in the batch."""
-        return self.decode.predict(running)
 
     def observe_ttft(self, work: float, ttft: float) -> None:
         """Learn from a measured TTFT and the prefill work it was dispatched behind."""
