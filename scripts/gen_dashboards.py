@@ -537,8 +537,8 @@ def overview() -> Json:
         panel(
             "timeseries",
             "TTFT prediction error",
-            "|actual - predicted| time to first token, the error of the predictor admission and "
-            "routing rely on: p50, p95, p99 per tier.",
+            "|actual - predicted| time to first token, the error of the predictor routing ranks "
+            "workers by: p50, p95, p99 per tier.",
             refs(quantiles("gateway_ttft_prediction_error_seconds", T, "tier", "{{tier}}")),
             unit="s",
         ),
