@@ -43,8 +43,7 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.05
 _DRAIN_WINDOW_S = 10.0
 _MAX_RETRY_AFTER_S = 60.0
-# Share of a worker's running limit kept free for the top tier, while it has traffic.
-_TOP_TIER_SHARE = 0.1
+# The window over which the top tier's share of arrivals sets the capacity kept for it.
 _ACTIVE_S = 10.0
 # How long lower tiers yield after a higher tier had a request turned away.
 _SHORTAGE_S = 2.0
@@ -96,7 +95,7 @@ class AdmissionController:
         self._tpot_target = min(targets) if targets else None
         self._ttft_target = min(t.ttft_slo_s for t in settings.tiers)
         self._priorities = {t.name: t.priority for t in settings.tiers}
-        self._seen: dict[int, float] = {}
+        self._arrivals: deque[tuple[float, int]] = deque()
         self._short_until: dict[int, float] = {}
         for tier in settings.tiers:
             metrics.queue_depth.labels(tier.name).set(0)
@@ -152,25 +151,32 @@ class AdmissionController:
     def _reserved_on(self, worker: Worker) -> int:
         return sum(1 for c in self._reserved.values() if c.worker is worker)
 
-    def _top_active_priority(self) -> int:
-        """The highest tier that has had requests lately (capacity is kept for it alone)."""
+    def _top_demand(self) -> tuple[int, float]:
+        """The highest tier with requests in the last ``_ACTIVE_S`` s, and its share of them."""
         since = self._clock() - _ACTIVE_S
-        active = [priority for priority, at in self._seen.items() if at >= since]
-        return min(active, default=0)
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] < since:
+            arrivals.popleft()
+        if not arrivals:
+            return 0, 0.0
+        top = min(priority for _, priority in arrivals)
+        return top, sum(1 for _, priority in arrivals if priority == top) / len(arrivals)
 
     def _full(self, worker: Worker, tier: TierSpec | None = None) -> bool:
         """Whether ``worker`` can take no more requests of ``tier`` now.
 
         Running or prefilling at its limit. Below the top tier that has had requests in the
-        last ``_ACTIVE_S`` seconds, the limits are a little lower (a tenth of the running
-        limit, one prefill slot): that capacity is kept for the top tier, whose requests then
-        start at once instead of waiting for lower tiers' requests, which cannot be preempted.
+        last ``_ACTIVE_S`` seconds, the limits are lower: the top tier's share of those
+        requests of the running limit, and one prefill slot, are kept for it, so that its
+        requests start at once instead of waiting for lower tiers' requests to finish (they
+        cannot be preempted).
         """
         reserved = self._reserved_on(worker)
         cap, prefill_cap = self.cap(worker), self.prefill_cap(worker)
-        if tier is not None and tier.priority > self._top_active_priority():
+        top, share = self._top_demand()
+        if tier is not None and tier.priority > top:
             if cap > 1:
-                cap -= max(1, round(cap * _TOP_TIER_SHARE))
+                cap -= min(cap - 1, max(1, round(cap * share)))
             if prefill_cap > 1:
                 prefill_cap -= 1
         return worker.in_flight + reserved >= cap or worker.prefilling + reserved >= prefill_cap
@@ -206,7 +212,7 @@ class AdmissionController:
             self._decide(tier, "admitted")
             return direct, 0.0
         now = self._clock()
-        self._seen[ticket.tier.priority] = now
+        self._arrivals.append((now, ticket.tier.priority))
         fastest = self._min_service(ticket)
         if fastest > ticket.tier.ttft_slo_s:
             # Even an idle worker would miss the target: no wait helps, a lower tier would.

@@ -123,6 +123,17 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     assert not admission._full(worker, interactive)
     assert admission._full(worker, batch)
+    # Of the running limit, the top tier's share of recent arrivals is kept for it: all of
+    # them so far (lower tiers keep one slot), then half once as many batch requests arrive.
+    worker.prefilling = 0
+    worker.in_flight = 1
+    assert admission._full(worker, batch)
+    assert not admission._full(worker, interactive)
+    admission._arrivals.append((clock.now, batch.priority))
+    worker.in_flight = 4
+    assert not admission._full(worker, batch)  # cap 10, 5 kept for interactive
+    worker.in_flight = 5
+    assert admission._full(worker, batch)
     worker.in_flight = worker.prefilling = 0
     # The hard cap bounds it.
     capped, pool2, _, _ = _controller(clock, max_running_per_worker=3)
