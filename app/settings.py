@@ -222,7 +222,10 @@ class Settings(BaseSettings):
     )
     max_queue_length: int = Field(default=1024, ge=0, description="Admission queue bound.")
     ttft_headroom: float = Field(
-        default=0.8, gt=0, le=1, description="Admit when predicted TTFT <= headroom x SLO."
+        default=0.8,
+        gt=0,
+        le=1,
+        description="Admission's limits aim at this share of the TPOT and TTFT targets.",
     )
     max_running_per_worker: int = Field(
         default=256, ge=1, description="Hard cap on a worker's concurrent requests."
