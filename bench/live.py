@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import httpx
 
+from scripts.processes import stop_process
 from scripts.vllm_worker import MODEL_DIR, ROOT, RUN_DIR, VllmWorker
 
 BENCH_MODEL: Final = "bench-llama"
@@ -127,12 +128,7 @@ def running_gateway(env: Mapping[str, str], port: int, name: str) -> Iterator[st
             time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, grace=30)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from scripts.processes import stop_process
 from scripts.vllm_worker import ROOT, RUN_DIR, TINY_LLAMA_HARDWARE, VllmWorker, WorkerError
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -56,16 +57,6 @@ def _tail(path: Path, lines: int = 30) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     return ""
-
-
-def _stop(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def prometheus_config(gateway: str, worker: str) -> str:
@@ -105,7 +96,7 @@ def _process(
         yield proc
     finally:
         print(f"stopping {name}", flush=True)
-        _stop(proc)
+        stop_process(proc)
         handle.close()
 
 

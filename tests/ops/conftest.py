@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from scripts.processes import stop_process
 from scripts.vllm_worker import TINY_LLAMA_HARDWARE
 from tests.ops.support import LIVE_API_KEY_SHA256, REPO
 from tests.servers import free_port
@@ -62,9 +63,4 @@ def live_gateway_url(
             time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=35)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, grace=35)

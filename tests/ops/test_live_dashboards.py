@@ -15,7 +15,6 @@ import contextlib
 import json
 import math
 import re
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,7 +25,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from scripts.processes import stop_process
 from tests.ops.support import LIVE_API_KEY, REPO, dump_yaml, load_yaml, tool
+from tests.servers import free_port
 
 pytestmark = [pytest.mark.worker, pytest.mark.asyncio(loop_scope="session")]
 
@@ -37,13 +38,6 @@ INTERVAL = "5s"
 TIERS = ("interactive", "standard", "batch")
 STREAMED_REQUESTS = 36
 CONCURRENCY = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _host_port(url: str) -> str:
@@ -83,7 +77,7 @@ def prometheus_url(
         ],
     }
     (workdir / "prometheus.yml").write_text(dump_yaml(config))
-    port = _free_port()
+    port = free_port()
     log = (workdir / "prometheus.log").open("w")
     process = subprocess.Popen(
         [
@@ -111,12 +105,7 @@ def prometheus_url(
             time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, grace=15)
         log.close()
 
 
