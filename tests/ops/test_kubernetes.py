@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 
+from scripts import gen_prometheusrule
 from tests.ops.support import (
     OPS_BIN,
     OVERLAYS,
     REPO,
     dump_yaml,
     kustomize_build,
+    load_yaml,
     load_yaml_all,
     tool,
 )
@@ -24,6 +26,7 @@ from tests.ops.support import (
 # Kubernetes versions validated against: the oldest still commonly run and the newest known.
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")
 NAMESPACE = "goodput"
+RULE_FILES = ("recording.yml", "alerts.yml")
 
 
 @cache
@@ -49,9 +52,9 @@ def _container(deployment: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_overlay_validates_strictly(overlay: str, version: str, tmp_path: Path) -> None:
-    """Every object but the ServiceMonitors (a CRD, checked below) against Kubernetes' schema,
-    rejecting unknown fields."""
-    builtin = [o for o in _objects(overlay) if o["kind"] != "ServiceMonitor"]
+    """Every object but the Prometheus Operator's (CRDs, checked below) against Kubernetes'
+    schema, rejecting unknown fields."""
+    builtin = [o for o in _objects(overlay) if o["kind"] not in OPERATOR_KINDS]
     path = tmp_path / f"{overlay}.yaml"
     path.write_text("---\n".join(dump_yaml(o) for o in builtin))
     result = subprocess.run(
@@ -65,11 +68,15 @@ def test_overlay_validates_strictly(overlay: str, version: str, tmp_path: Path) 
     assert "Couldn't find schema" not in output, output
 
 
-# Runs in .venv-ops (which has the prometheus-operator models): reads {case: [ServiceMonitor]}
-# as JSON on stdin, prints {case: [problem]} as JSON.
-SERVICEMONITOR_CHECK = """
+OPERATOR_KINDS = ("ServiceMonitor", "PrometheusRule")
+
+# Runs in .venv-ops (which has the prometheus-operator models): reads {case: [object]} as JSON
+# on stdin (ServiceMonitors and PrometheusRules), prints {case: [problem]} as JSON.
+OPERATOR_CHECK = """
 import json, sys
-from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+from cloudcoil.models.prometheus_operator.v1 import PrometheusRule, ServiceMonitor
+
+MODELS = {"ServiceMonitor": ServiceMonitor, "PrometheusRule": PrometheusRule}
 
 def unknown(given, kept, path):
     if isinstance(given, dict):
@@ -85,7 +92,7 @@ def unknown(given, kept, path):
 def problems(doc):
     name = doc["metadata"]["name"]
     try:
-        model = ServiceMonitor.model_validate(doc)
+        model = MODELS[doc["kind"]].model_validate(doc)
     except Exception as exc:
         return [f"{name}: {exc}"]
     kept = model.model_dump(mode="json", by_alias=True, exclude_unset=True)
@@ -97,20 +104,23 @@ print(json.dumps({case: [p for d in docs for p in problems(d)] for case, docs in
 
 
 @pytest.fixture(scope="module")
-def servicemonitor_problems() -> dict[str, list[str]]:
-    """ServiceMonitor is a CRD kubernetes-validate has no schema for: it is validated with the
-    prometheus-operator's models (generated from the CRD's OpenAPI schema, patterns and enums
-    included), and fields the schema does not know are refused (strict). One run for all
-    overlays plus a deliberately broken monitor, as loading the models takes seconds."""
+def operator_problems() -> dict[str, list[str]]:
+    """ServiceMonitor and PrometheusRule are CRDs kubernetes-validate has no schema for: they
+    are validated with the prometheus-operator's models (generated from the CRDs' OpenAPI
+    schemas, patterns and enums included), and fields the schema does not know are refused
+    (strict). One run for all overlays plus a deliberately broken monitor and rule, as loading
+    the models takes seconds."""
     cases = {
-        overlay: [o for o in _objects(overlay) if o["kind"] == "ServiceMonitor"]
+        overlay: [o for o in _objects(overlay) if o["kind"] in OPERATOR_KINDS]
         for overlay in OVERLAYS
     }
     broken = _one("gpu", "ServiceMonitor", "goodput-gateway")
     broken["spec"]["endpoints"][0]["intervall"] = "15s"
-    cases["broken"] = [broken]
+    broken_rule = _one("gpu", "PrometheusRule", "goodput-gateway")
+    broken_rule["spec"]["groups"][0]["rules"][0]["recrod"] = "x"
+    cases["broken"] = [broken, broken_rule]
     result = subprocess.run(
-        [str(OPS_BIN / "python"), "-c", SERVICEMONITOR_CHECK],
+        [str(OPS_BIN / "python"), "-c", OPERATOR_CHECK],
         input=json.dumps(cases),
         capture_output=True,
         text=True,
@@ -122,21 +132,41 @@ def servicemonitor_problems() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_servicemonitors_validate_against_the_operator_schema(
-    overlay: str, servicemonitor_problems: dict[str, list[str]]
+def test_operator_objects_validate_against_the_operator_schema(
+    overlay: str, operator_problems: dict[str, list[str]]
 ) -> None:
     monitors = {o["metadata"]["name"] for o in _objects(overlay) if o["kind"] == "ServiceMonitor"}
     assert monitors == {"goodput-gateway", "vllm-workers"}
-    assert servicemonitor_problems[overlay] == []
+    rules = {o["metadata"]["name"] for o in _objects(overlay) if o["kind"] == "PrometheusRule"}
+    assert rules == {"goodput-gateway"}
+    assert operator_problems[overlay] == []
 
 
-def test_servicemonitor_check_refuses_unknown_fields(
-    servicemonitor_problems: dict[str, list[str]],
-) -> None:
-    """The strict ServiceMonitor check is not vacuous."""
-    assert servicemonitor_problems["broken"] == [
-        "goodput-gateway: unknown field spec.endpoints.0.intervall"
+def test_operator_check_refuses_unknown_fields(operator_problems: dict[str, list[str]]) -> None:
+    """The strict ServiceMonitor and PrometheusRule check is not vacuous."""
+    assert operator_problems["broken"] == [
+        "goodput-gateway: unknown field spec.endpoints.0.intervall",
+        "goodput-gateway: unknown field spec.groups.0.rules.0.recrod",
     ]
+
+
+def test_prometheusrule_is_generated_from_the_rule_files() -> None:
+    """deploy/base/prometheusrule.yaml is what scripts.gen_prometheusrule writes now."""
+    committed = (REPO / "deploy" / "base" / "prometheusrule.yaml").read_text()
+    assert committed == gen_prometheusrule.render(), (
+        "deploy/base/prometheusrule.yaml is stale: run `python -m scripts.gen_prometheusrule`"
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheusrule_carries_every_rule_promtool_checks(overlay: str) -> None:
+    """The cluster gets the same groups as compose's Prometheus: every record and alert."""
+    rule = _one(overlay, "PrometheusRule", "goodput-gateway")
+    files = [load_yaml((REPO / "prometheus" / "rules" / n).read_text()) for n in RULE_FILES]
+    assert rule["spec"]["groups"] == [g for f in files for g in f["groups"]]
+    names = [r.get("alert") or r.get("record") for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert "GatewayDown" in names
+    assert "tier:gateway_goodput:ratio_rate5m" in names
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
