@@ -148,6 +148,11 @@ class GatewayMetrics:
             "Most requests admission lets prefill on the worker at once (keeps TTFT short).",
             by_worker, registry=reg,
         )  # fmt: skip
+        self.worker_prefilling = Gauge(
+            "gateway_worker_prefilling_requests",
+            "Requests sent to the worker that have not produced their first token yet.",
+            by_worker, registry=reg,
+        )  # fmt: skip
         self.worker_prefill_rate = Gauge(
             "gateway_worker_prefill_tokens_per_second",
             "Learnt prefill speed of the worker (inverse of the TTFT model's per-token slope).",

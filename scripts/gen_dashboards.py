@@ -660,11 +660,12 @@ def workers() -> Json:
         panel(
             "stat",
             "Healthy workers",
-            "Workers up and not ejected, out of all workers the gateway knows.",
+            "Workers up and not ejected, out of all workers the gateway knows. With several "
+            "gateway replicas a worker counts once, as healthy only if every replica sees it so.",
             refs(
                 [
-                    (f"sum(gateway_worker_up{{{W}}})", "healthy"),
-                    (f"count(gateway_worker_up{{{W}}})", "known"),
+                    (f"sum(min by (worker) (gateway_worker_up{{{W}}}))", "healthy"),
+                    (f"count(max by (worker) (gateway_worker_up{{{W}}}))", "known"),
                 ],
                 instant=True,
             ),
@@ -777,9 +778,9 @@ def workers() -> Json:
             "Admission limits",
             "Requests the gateway has open on the worker against the limits admission steers "
             "from measured latency: the concurrency limit (follows TPOT against the strictest "
-            "TPOT target) and the prefill limit (follows the worker's time to first token). "
-            "Open requests at the limit mean the gateway's queue, not the worker's, holds the "
-            "backlog.",
+            "TPOT target) and the prefill limit (follows the worker's time to first token), with "
+            "the requests still prefilling. Open requests at the limit mean the gateway's queue, "
+            "not the worker's, holds the backlog.",
             refs(
                 [
                     (
@@ -789,6 +790,10 @@ def workers() -> Json:
                     (
                         f"max by (worker) (gateway_worker_concurrency_limit{{{W}}})",
                         "limit {{worker}}",
+                    ),
+                    (
+                        f"max by (worker) (gateway_worker_prefilling_requests{{{W}}})",
+                        "prefilling {{worker}}",
                     ),
                     (
                         f"max by (worker) (gateway_worker_prefill_concurrency_limit{{{W}}})",

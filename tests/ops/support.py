@@ -54,6 +54,7 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_memory_bandwidth_bytes_per_second": _WORKER,
     "gateway_worker_concurrency_limit": _WORKER,
     "gateway_worker_prefill_concurrency_limit": _WORKER,
+    "gateway_worker_prefilling_requests": _WORKER,
     "gateway_worker_prefill_tokens_per_second": _WORKER,
     "gateway_worker_decode_step_seconds": _WORKER,
     "gateway_worker_decode_seconds_per_sequence": _WORKER,

@@ -229,3 +229,48 @@ def test_contract_checker_catches_strays() -> None:
     assert not contract_violations(
         'sum by (worker) (vllm:num_requests_running{model_name="m"})', allow_vllm=True
     )
+
+
+def test_healthy_workers_counts_each_worker_once_across_gateway_replicas(tmp_path: Path) -> None:
+    """Two gateway replicas report the same two workers; one replica has ejected worker b.
+    The panel must say 1 healthy of 2 known (summing over replicas said 3 of 4)."""
+    board = _boards()["gateway-workers.json"]
+    (panel,) = [p for p in _panels(board) if p["title"] == "Healthy workers"]
+    exprs = {t["legendFormat"]: t["expr"].replace('worker=~"$worker"', 'worker=~".*"')
+             for t in panel["targets"]}  # fmt: skip
+    series = [
+        ("gw-1", "a", "1"),
+        ("gw-2", "a", "1"),
+        ("gw-1", "b", "1"),
+        ("gw-2", "b", "0"),
+    ]
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [
+                    {
+                        "series": f'gateway_worker_up{{instance="{gw}",worker="{worker}"}}',
+                        "values": f"{value}x4",
+                    }
+                    for gw, worker, value in series
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": exprs[legend],
+                        "eval_time": "30s",
+                        "exp_samples": [{"labels": "{}", "value": expected}],
+                    }
+                    for legend, expected in (("healthy", 1), ("known", 2))
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "healthy_test.yml"
+    path.write_text(dump_yaml(tests))
+    result = subprocess.run(
+        [tool("promtool"), "test", "rules", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
