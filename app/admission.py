@@ -8,13 +8,17 @@ and shrinks when they do not, so running streams keep their pace; the prefill li
 same for the worker's own time to first token, so the backlog waits in the gateway's queue,
 where tiers apply, rather than first come, first served inside vLLM.
 
-Otherwise the request waits in one priority queue (higher tier first, earliest deadline first
-within a tier) as long as waiting can still meet its TTFT target, up to the tier's maximum
-wait. When it cannot (its prefill alone is too long, or the requests queued ahead of it will
-not have left by its deadline at the observed drain rate), it is rejected at once with 429 and
-a Retry-After computed from that drain rate; a queued request whose deadline passes gets 503
-and a Retry-After. A full queue sheds a sheddable request of a lower tier to make room for a
-more urgent one.
+A lower tier leaves free the running slots the tiers above it are expected to need (Little's
+law over their recent arrivals and how long their requests hold a slot; requests cannot be
+preempted, so capacity handed to a lower tier stays taken until its requests finish).
+
+When no worker has room, the request waits in one priority queue (higher tier first,
+earliest deadline first within a tier) as long as waiting can still meet its TTFT target, up
+to the tier's maximum wait. When it cannot (its prefill alone is too long, or the requests
+queued ahead of it will not have left by its deadline at the observed drain rate), it is
+rejected at once with 429 and a Retry-After computed from that drain rate; a queued request
+whose deadline passes gets 503 and a Retry-After. A full queue sheds a sheddable request of a
+lower tier to make room for a more urgent one.
 
 Capacity freed by a finished request or a completed prefill wakes the dispatcher at once; a
 short periodic tick catches deadlines and predictions that change with time.
@@ -28,7 +32,7 @@ import contextlib
 import itertools
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from app.errors import GatewayError, Overloaded, QueueTimeout, Shed
@@ -43,8 +47,15 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.05
 _DRAIN_WINDOW_S = 10.0
 _MAX_RETRY_AFTER_S = 60.0
-# The window over which the top tier's share of arrivals sets the capacity kept for it.
+# The window over which higher tiers' arrival rates set the capacity kept for them.
 _ACTIVE_S = 10.0
+# The recent span whose arrival rate counts when it is higher than the window's.
+_SURGE_S = 2.0
+# The shortest span arrival rates are measured over (fewer arrivals say too little).
+_MIN_SPAN_S = 1.0
+# Weight of a finished request in the running average of how long a tier's requests hold a slot.
+_HELD_WEIGHT = 0.1
+_NOT_COMPUTED: tuple[float, dict[int, float]] = (-math.inf, {})
 # How long lower tiers yield after a higher tier had a request turned away.
 _SHORTAGE_S = 2.0
 
@@ -97,6 +108,8 @@ class AdmissionController:
         self._priorities = {t.name: t.priority for t in settings.tiers}
         self._arrivals: deque[tuple[float, int]] = deque()
         self._short_until: dict[int, float] = {}
+        self._held: dict[int, float] = {}
+        self._expected: tuple[float, dict[int, float]] = _NOT_COMPUTED
         for tier in settings.tiers:
             metrics.queue_depth.labels(tier.name).set(0)
 
@@ -124,16 +137,19 @@ class AdmissionController:
         strictest TTFT target, the other half being left for the wait in the queue: requests
         dispatched into vLLM wait there first come, first served, so the gateway keeps the
         worker's prefill queue short and the backlog in its own queue, where tiers apply.
-        Both with the TTFT headroom. ``prefill_peers`` is how many were prefilling with it.
+        Each grows while latencies are within the target times the TTFT headroom and is cut
+        when one is over the target. ``prefill_peers`` is how many were prefilling with it.
         """
         headroom = self._settings.ttft_headroom
         now = self._clock()
         if tpot_s is not None and self._tpot_target is not None:
-            ok = tpot_s <= headroom * self._tpot_target
-            worker.limit.on_result(ok, worker.in_flight + 1, now)
+            target = self._tpot_target
+            worker.limit.on_result(tpot_s, headroom * target, target, worker.in_flight + 1, now)
         if worker_ttft_s is not None:
-            ok = worker_ttft_s <= headroom * self._ttft_target / 2
-            worker.prefill_limit.on_result(ok, prefill_peers, now)
+            target = self._ttft_target / 2
+            worker.prefill_limit.on_result(
+                worker_ttft_s, headroom * target, target, prefill_peers, now
+            )
 
     def export(self) -> None:
         """Refresh each worker's concurrency limit and learnt latency model (before an export)."""
@@ -143,6 +159,7 @@ class AdmissionController:
             latency = worker.latency
             metrics.worker_concurrency_limit.labels(label).set(self.cap(worker))
             metrics.worker_prefill_limit.labels(label).set(self.prefill_cap(worker))
+            metrics.worker_prefilling.labels(label).set(worker.prefilling)
             slope = latency.prefill.slope
             metrics.worker_prefill_rate.labels(label).set(1.0 / slope if slope > 0 else 0.0)
             metrics.worker_decode_step.labels(label).set(latency.decode.predict(1))
@@ -151,34 +168,84 @@ class AdmissionController:
     def _reserved_on(self, worker: Worker) -> int:
         return sum(1 for c in self._reserved.values() if c.worker is worker)
 
-    def _top_demand(self) -> tuple[int, float]:
-        """The highest tier with requests in the last ``_ACTIVE_S`` s, and its share of them."""
+    def _recent_arrivals(self) -> deque[tuple[float, int]]:
+        """``(time, priority)`` of the requests of the last ``_ACTIVE_S`` seconds."""
         since = self._clock() - _ACTIVE_S
         arrivals = self._arrivals
         while arrivals and arrivals[0][0] < since:
             arrivals.popleft()
-        if not arrivals:
-            return 0, 0.0
-        top = min(priority for _, priority in arrivals)
-        return top, sum(1 for _, priority in arrivals if priority == top) / len(arrivals)
+        return arrivals
 
-    def _full(self, worker: Worker, tier: TierSpec | None = None) -> bool:
-        """Whether ``worker`` can take no more requests of ``tier`` now.
+    def _expected_slots(self, now: float) -> dict[int, float]:
+        """Per tier priority, how many running slots its requests are expected to hold.
 
-        Running or prefilling at its limit. Below the top tier that has had requests in the
-        last ``_ACTIVE_S`` seconds, the limits are lower: the top tier's share of those
-        requests of the running limit, and one prefill slot, are kept for it, so that its
-        requests start at once instead of waiting for lower tiers' requests to finish (they
-        cannot be preempted).
+        Little's law: arrival rate x how long one of its requests holds a slot. The rate is the
+        larger of the last ``_SURGE_S`` seconds' and the last ``_ACTIVE_S`` seconds', both over
+        the span actually observed (at least ``_MIN_SPAN_S``): the long window alone would read
+        the first seconds of a surge as the trickle before it, and slots handed to a lower tier
+        meanwhile stay taken until its requests finish. Computed once per ``now`` (a dispatch
+        pass asks for every queued request and every worker) and again after an arrival or a
+        completion.
+        """
+        if self._expected[0] == now:
+            return self._expected[1]
+        recent = self._recent_arrivals()
+        expected: dict[int, float] = {}
+        if recent:
+            span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - recent[0][0]))
+            surge_span = max(_MIN_SPAN_S, min(_SURGE_S, span))
+            overall = Counter(p for _, p in recent)
+            latest = Counter(p for t, p in recent if t >= now - _SURGE_S)
+            fallback = max(self._held.values(), default=0.0)
+            for priority, count in overall.items():
+                rate = max(count / span, latest[priority] / surge_span)
+                expected[priority] = rate * self._held.get(priority, fallback)
+        self._expected = (now, expected)
+        return expected
+
+    def _kept_for_higher(self, worker: Worker, tier: TierSpec, workers: int, now: float) -> int:
+        """Running slots of ``worker`` that ``tier`` must leave free for the tiers above it.
+
+        Zero when no tier above had requests in the last ``_ACTIVE_S`` seconds, else at least
+        one. What the tiers above are expected to hold (:meth:`_expected_slots`), spread over
+        ``workers``, plus two standard deviations (Poisson arrivals) for their bursts, less what
+        they hold on this worker now: their next requests then start at once instead of
+        waiting for a lower tier's request to finish (it cannot be preempted).
+        """
+        higher = [v for p, v in self._expected_slots(now).items() if p < tier.priority]
+        if not higher:
+            return 0
+        expected = sum(higher) / max(workers, 1)
+        needed = math.ceil(expected + 2 * math.sqrt(expected))
+        running = sum(
+            n for name, n in worker.tier_in_flight.items() if self._priorities[name] < tier.priority
+        )
+        return max(1, needed - running)
+
+    def _full(
+        self,
+        worker: Worker,
+        tier: TierSpec | None = None,
+        workers: int = 1,
+        now: float | None = None,
+    ) -> bool:
+        """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
+
+        Running or prefilling at its limit. Below a tier that has had requests in the last
+        ``_ACTIVE_S`` seconds, the limits are lower: the running slots that tier is expected
+        to need (:meth:`_kept_for_higher`) and one prefill slot are kept free for it, leaving
+        a lower tier at least the last slot of an otherwise empty worker.
         """
         reserved = self._reserved_on(worker)
         cap, prefill_cap = self.cap(worker), self.prefill_cap(worker)
-        top, share = self._top_demand()
-        if tier is not None and tier.priority > top:
-            if cap > 1:
-                cap -= min(cap - 1, max(1, round(cap * share)))
-            if prefill_cap > 1:
-                prefill_cap -= 1
+        if tier is None:
+            kept = 0
+        else:
+            now = self._clock() if now is None else now
+            kept = self._kept_for_higher(worker, tier, workers, now)
+        if kept:
+            cap -= min(cap - 1, kept)
+            prefill_cap -= min(prefill_cap - 1, 1)
         return worker.in_flight + reserved >= cap or worker.prefilling + reserved >= prefill_cap
 
     def _try(self, ticket: Ticket, now: float) -> Choice | None:
@@ -190,7 +257,8 @@ class AdmissionController:
         workers had room. The measured-latency limits are what keep TTFT and TPOT in bounds.
         """
         candidates = self._router.candidates(ticket.model)
-        full = frozenset(w.label for w in candidates if self._full(w, ticket.tier))
+        n = len(candidates)
+        full = frozenset(w.label for w in candidates if self._full(w, ticket.tier, n, now))
         if len(full) == len(candidates):
             return None
         return self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity, full)
@@ -213,6 +281,7 @@ class AdmissionController:
             return direct, 0.0
         now = self._clock()
         self._arrivals.append((now, ticket.tier.priority))
+        self._expected = _NOT_COMPUTED
         fastest = self._min_service(ticket)
         if fastest > ticket.tier.ttft_slo_s:
             # Even an idle worker would miss the target: no wait helps, a lower tier would.
@@ -301,9 +370,18 @@ class AdmissionController:
             self._poked = True
             asyncio.get_running_loop().call_soon(self._dispatch)
 
-    def completed(self) -> None:
-        """A request left its worker: count it for the drain rate and dispatch."""
+    def completed(self, tier: str, held_s: float) -> None:
+        """A request of ``tier`` left its worker after holding a slot for ``held_s`` seconds.
+
+        Counted for the drain rate and the tier's expected demand; then dispatch.
+        """
         now = self._clock()
+        priority = self._priorities[tier]
+        previous = self._held.get(priority)
+        self._held[priority] = (
+            held_s if previous is None else previous + _HELD_WEIGHT * (held_s - previous)
+        )
+        self._expected = _NOT_COMPUTED
         self._completions.append(now)
         while self._completions and self._completions[0] < now - _DRAIN_WINDOW_S:
             self._completions.popleft()

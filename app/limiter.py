@@ -6,12 +6,13 @@ hardware, the prompt mix and the arrival rate. Rather than trusting a fitted mod
 (fits were seen to swing by 10x under load), the limit is found by feedback, as TCP finds a
 window (additive increase, multiplicative decrease):
 
-* a request that finished within the targets while the limit was what held it back raises the
-  limit by one;
-* a request that missed a target (TPOT over the strictest TPOT target, or the worker's own
-  time to first token over its share of the strictest TTFT target, both with headroom) cuts it
-  by ``decrease``, at most once per ``cooldown_s`` since one overload is seen by every request
-  that lived through it.
+* a request whose latency was within the aim (the target times the headroom) while the limit
+  was what held it back raises the limit by one;
+* a request that missed the target (TPOT over the strictest TPOT target, or the worker's own
+  time to first token over its share of the strictest TTFT target) cuts it by ``decrease``, at
+  most once per ``cooldown_s`` since one overload is seen by every request that lived through
+  it;
+* a request between the aim and the target changes nothing.
 """
 
 from __future__ import annotations
@@ -44,11 +45,19 @@ class ConcurrencyLimit:
         """The whole number of requests that may run."""
         return max(1, math.floor(self.value + 1e-9))
 
-    def on_result(self, within_targets: bool, in_flight: int, now: float) -> None:
-        """Learn from one finished request; ``in_flight`` includes it."""
-        if not within_targets:
+    def on_result(
+        self, latency: float, aim: float, target: float, in_flight: int, now: float
+    ) -> None:
+        """Learn from one finished request's ``latency``; ``in_flight`` includes it.
+
+        At most ``aim``: room to grow (if the limit was binding). Over ``target``: a miss, cut.
+        In between: no change. Cutting only on real misses, rather than on every request over
+        the aim, lets the limit settle where the latency spread straddles the aim instead of
+        well below it (which on a compute-bound worker gave up throughput for no SLO gain).
+        """
+        if latency > target:
             if now - self._last_cut >= self._cooldown:
                 self.value = max(self.minimum, self.value * self._decrease)
                 self._last_cut = now
-        elif in_flight >= self.limit:
+        elif latency <= aim and in_flight >= self.limit:
             self.value = min(self.maximum, self.value + 1.0)

@@ -88,6 +88,7 @@ class _Attempt:
         self.first: float | None = None
         self.running = float(worker.in_flight)
         worker.in_flight += 1
+        worker.tier_in_flight[tier] += 1
         worker.prefilling += 1
         self.prefill_peers = worker.prefilling
         worker.prefill_tokens_ahead += own_tokens
@@ -115,6 +116,7 @@ class _Attempt:
         """The attempt is over, whatever its outcome."""
         worker = self.worker
         worker.in_flight -= 1
+        worker.tier_in_flight[self.tier] -= 1
         if self.first is None:
             worker.prefill_tokens_ahead -= self.own_tokens
             worker.prefilling -= 1
@@ -223,7 +225,7 @@ class Relay(Response):
                 tried.add(choice.worker.label)
             finally:
                 attempt.release(deps)
-                deps.admission.completed()
+                deps.admission.completed(self._tier, self._timer.clock() - attempt.dispatched)
 
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
         ticket = self._ctx.ticket

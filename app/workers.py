@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,6 +49,8 @@ class Worker:
         self.last_seen: float | None = None
         self.draining = False
         self.in_flight = 0
+        self.tier_in_flight: Counter[str] = Counter()
+        """Of ``in_flight``, how many per tier (admission keeps capacity for higher tiers)."""
         self.prefill_tokens_ahead = 0.0
         self.failures = 0
         self.ejections = 0

@@ -99,19 +99,26 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     worker.in_flight = 2
     admission.learn(worker, None, 0.05, 1)
     assert admission.cap(worker) == 12
-    # Slow decode: one cut by 10%, then none until a second has passed.
+    # Over the aim but within the 100 ms target, while binding: no change either way.
+    worker.in_flight = 11
     admission.learn(worker, None, 0.09, 1)
+    assert admission.cap(worker) == 12
+    # Over the target: one cut by 10%, then none until a second has passed.
+    admission.learn(worker, None, 0.12, 1)
     assert admission.cap(worker) == 10
-    admission.learn(worker, None, 0.09, 1)
+    admission.learn(worker, None, 0.12, 1)
     assert admission.cap(worker) == 10
     # The prefill limit follows the worker's TTFT against half the strictest TTFT target
-    # (0.8 x 1 s / 2): quick first tokens while it was binding raise it, a slow one cuts it.
+    # (aim 0.8 x 1 s / 2): quick first tokens while it was binding raise it, one over the
+    # 0.5 s target cuts it, one in between changes nothing.
     assert admission.prefill_cap(worker) == 2
     admission.learn(worker, 0.2, None, 2)
     admission.learn(worker, 0.2, None, 3)
     assert admission.prefill_cap(worker) == 4
     clock.now += 1.0
-    admission.learn(worker, 0.5, None, 4)
+    admission.learn(worker, 0.45, None, 4)
+    assert admission.prefill_cap(worker) == 4
+    admission.learn(worker, 0.6, None, 4)
     assert admission.prefill_cap(worker) == 3
     assert admission.cap(worker) == 10
     # A worker at its prefill limit takes no more requests, though it has running slots.
@@ -123,17 +130,13 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     assert not admission._full(worker, interactive)
     assert admission._full(worker, batch)
-    # Of the running limit, the top tier's share of recent arrivals is kept for it: all of
-    # them so far (lower tiers keep one slot), then half once as many batch requests arrive.
+    # With one interactive arrival and nothing finished yet, one running slot is kept for it.
     worker.prefilling = 0
-    worker.in_flight = 1
+    worker.in_flight = 8
+    assert not admission._full(worker, batch)
+    worker.in_flight = 9
     assert admission._full(worker, batch)
     assert not admission._full(worker, interactive)
-    admission._arrivals.append((clock.now, batch.priority))
-    worker.in_flight = 4
-    assert not admission._full(worker, batch)  # cap 10, 5 kept for interactive
-    worker.in_flight = 5
-    assert admission._full(worker, batch)
     worker.in_flight = worker.prefilling = 0
     # The hard cap bounds it.
     capped, pool2, _, _ = _controller(clock, max_running_per_worker=3)
@@ -141,13 +144,63 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     assert _decisions(metrics, "interactive", "admitted") == 1
 
 
+def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None:
+    """Little's law: arrival rate x how long a request holds a slot, plus two standard
+    deviations, per worker; what the higher tiers do not hold already is kept free."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 20
+    names = ("interactive", "standard", "batch")
+    interactive, standard, batch = (_tier(settings, name) for name in names)
+    # No higher-tier traffic: batch may fill the worker.
+    worker.in_flight = 19
+    assert not admission._full(worker, batch)
+    # Interactive requests hold a slot 4 s and arrive once a second for 10 s: the long window
+    # says 10/9 per second, the last 2 s 3/2 per second; the larger counts. 1.5 x 4 = 6
+    # expected, + 2 x sqrt(6) -> 11 slots kept: batch and standard stop at 20 - 11 = 9.
+    admission.completed("interactive", 4.0)
+    for t in range(10):
+        admission._arrivals.append((clock.now - 9 + t, interactive.priority))
+    for tier in (batch, standard):
+        worker.in_flight = 8
+        assert not admission._full(worker, tier)
+        worker.in_flight = 9
+        assert admission._full(worker, tier)
+    assert not admission._full(worker, interactive)
+    # Slots interactive holds already count: with 5 of its requests running, 6 more are kept.
+    worker.tier_in_flight["interactive"] = 5
+    worker.in_flight = 13
+    assert not admission._full(worker, batch)
+    worker.in_flight = 14
+    assert admission._full(worker, batch)
+    # Spread over two workers: 3 expected per worker, + 2 x sqrt(3) -> 7 kept.
+    worker.tier_in_flight["interactive"] = 0
+    worker.in_flight = 12
+    assert not admission._full(worker, batch, workers=2)
+    worker.in_flight = 13
+    assert admission._full(worker, batch, workers=2)
+    # A surge (9 more in the last instant) is seen at once: 6/s x 4 s = 24 expected, more than
+    # the worker has; a lower tier only gets the last slot of an otherwise empty worker.
+    admission._arrivals.extend((clock.now, interactive.priority) for _ in range(9))
+    clock.now += 0.01
+    worker.in_flight = 0
+    assert not admission._full(worker, batch)
+    worker.in_flight = 1
+    assert admission._full(worker, batch)
+    # Ten quiet seconds later nothing is kept any more.
+    clock.now += 10.5
+    worker.in_flight = 19
+    assert not admission._full(worker, batch)
+
+
 def test_concurrency_limit_never_leaves_its_bounds() -> None:
     limit = ConcurrencyLimit(initial=2, maximum=4, minimum=1, decrease=0.5, cooldown_s=0)
     for _ in range(10):
-        limit.on_result(True, 100, 0.0)
+        limit.on_result(0.05, 0.08, 0.1, 100, 0.0)
     assert limit.limit == 4
     for t in range(10):
-        limit.on_result(False, 1, float(t))
+        limit.on_result(0.2, 0.08, 0.1, 1, float(t))
     assert limit.limit == 1
 
 
@@ -173,7 +226,7 @@ async def test_full_worker_queues_by_tier_then_deadline_and_dispatches_when_free
     assert metrics.registry.get_sample_value("gateway_queue_depth", {"tier": "standard"}) == 2
     for _ in range(4):
         worker.in_flight -= 1
-        admission.completed()
+        admission.completed("batch", 1.0)
         await asyncio.sleep(0.001)
         await asyncio.sleep(0.001)
     await asyncio.gather(*tasks)
@@ -227,7 +280,7 @@ async def test_retry_after_follows_the_observed_drain_rate() -> None:
     admission, pool, _, settings = _controller(clock, max_running_per_worker=1)
     pool.workers["a:1"].in_flight = 1
     for _ in range(21):  # 2 requests/s leave the worker
-        admission.completed()
+        admission.completed("batch", 1.0)
         clock.now += 0.5
     assert admission.drain_rate() == pytest.approx(2.0, rel=0.1)
     queued = [asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
