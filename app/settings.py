@@ -225,7 +225,8 @@ class Settings(BaseSettings):
         default=0.8,
         gt=0,
         le=1,
-        description="Admission's limits aim at this share of the TPOT and TTFT targets.",
+        description="Admission's limits grow while latencies are within this share of the "
+        "TPOT and TTFT targets; they are cut when one is over its target.",
     )
     max_running_per_worker: int = Field(
         default=256, ge=1, description="Hard cap on a worker's concurrent requests."
