@@ -31,7 +31,6 @@ import asyncio
 import hashlib
 import json
 import random
-import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.settings import DEFAULT_TIERS, TierSpec
 from bench.live import (
@@ -122,19 +122,18 @@ _SAMPLED = (
     "gateway_queue_depth",
     "gateway_in_flight_requests",
 )
-_SAMPLE_LINE = re.compile(r"^(\w+)\{([^}]*)\} ([-+0-9.eE]+|NaN)$")
 
 
 def _parse_sample(text: str) -> dict[str, float]:
     """The gauges admission steers by, keyed ``name{worker or tier}``, summed over other labels."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE_LINE.match(line)
-        if match is None or match.group(1) not in _SAMPLED:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
-        key = f"{match.group(1)}{{{labels.get('worker') or labels.get('tier', '')}}}"
-        values[key] = values.get(key, 0.0) + float(match.group(3))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name not in _SAMPLED:
+                continue
+            labels = sample.labels
+            key = f"{sample.name}{{{labels.get('worker') or labels.get('tier', '')}}}"
+            values[key] = values.get(key, 0.0) + sample.value
     return values
 
 
