@@ -22,6 +22,8 @@ _yaml: Any = importlib.import_module("yaml")
 
 REPO = Path(__file__).resolve().parents[2]
 OPS_BIN = REPO / ".venv-ops" / "bin"
+# The rule files compose's Prometheus loads, promtool checks and the PrometheusRule carries.
+RULE_FILES = sorted((REPO / "prometheus" / "rules").glob("*.yml"))
 
 # Labels Prometheus adds to every scraped series.
 TARGET_LABELS = frozenset({"job", "instance"})

@@ -16,6 +16,7 @@ from tests.ops.support import (
     OPS_BIN,
     OVERLAYS,
     REPO,
+    RULE_FILES,
     dump_yaml,
     kustomize_build,
     load_yaml,
@@ -26,7 +27,6 @@ from tests.ops.support import (
 # Kubernetes versions validated against: the oldest still commonly run and the newest known.
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")
 NAMESPACE = "goodput"
-RULE_FILES = ("recording.yml", "alerts.yml")
 
 
 @cache
@@ -162,7 +162,7 @@ def test_prometheusrule_is_generated_from_the_rule_files() -> None:
 def test_prometheusrule_carries_every_rule_promtool_checks(overlay: str) -> None:
     """The cluster gets the same groups as compose's Prometheus: every record and alert."""
     rule = _one(overlay, "PrometheusRule", "goodput-gateway")
-    files = [load_yaml((REPO / "prometheus" / "rules" / n).read_text()) for n in RULE_FILES]
+    files = [load_yaml(path.read_text()) for path in RULE_FILES]
     assert rule["spec"]["groups"] == [g for f in files for g in f["groups"]]
     names = [r.get("alert") or r.get("record") for g in rule["spec"]["groups"] for r in g["rules"]]
     assert "GatewayDown" in names

@@ -7,6 +7,7 @@ from typing import Any
 
 from tests.ops.support import (
     REPO,
+    RULE_FILES,
     TARGET_LABELS,
     contract_series,
     load_yaml,
@@ -16,7 +17,6 @@ from tests.ops.support import (
 )
 
 PROMETHEUS = REPO / "prometheus"
-RULE_FILES = sorted((PROMETHEUS / "rules").glob("*.yml"))
 TEST_FILES = sorted((PROMETHEUS / "tests").glob("*.yml"))
 
 
