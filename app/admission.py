@@ -129,6 +129,7 @@ class AdmissionController:
         worker_ttft_s: float | None,
         tpot_s: float | None,
         prefill_peers: int,
+        decode_load: float | None = None,
     ) -> None:
         """Steer ``worker``'s limits by a finished stream's latencies.
 
@@ -138,13 +139,19 @@ class AdmissionController:
         dispatched into vLLM wait there first come, first served, so the gateway keeps the
         worker's prefill queue short and the backlog in its own queue, where tiers apply.
         Each grows while latencies are within the target times the TTFT headroom and is cut
-        when one is over the target. ``prefill_peers`` is how many were prefilling with it.
+        when one is over the target. ``prefill_peers`` is how many were prefilling with it
+        (itself included), ``decode_load`` how many ran with it on average while it decoded: a
+        TPOT within the aim lets the running limit rise at once to the load that would take
+        TPOT to the aim (:meth:`app.limiter.ConcurrencyLimit.on_result`). The prefill limit
+        does not project so: prompts differ in length, so one short prefill says little.
         """
         headroom = self._settings.ttft_headroom
         now = self._clock()
         if tpot_s is not None and self._tpot_target is not None:
             target = self._tpot_target
-            worker.limit.on_result(tpot_s, headroom * target, target, worker.in_flight + 1, now)
+            worker.limit.on_result(
+                tpot_s, headroom * target, target, worker.in_flight + 1, now, decode_load
+            )
         if worker_ttft_s is not None:
             target = self._ttft_target / 2
             worker.prefill_limit.on_result(

@@ -12,7 +12,14 @@ window (additive increase, multiplicative decrease):
   time to first token over its share of the strictest TTFT target) cuts it by ``decrease``, at
   most once per ``cooldown_s`` since one overload is seen by every request that lived through
   it;
-* a request between the aim and the target changes nothing.
+* a request between the aim and the target changes nothing;
+* given the ``load`` it ran under, a request within the aim also lets the limit rise at once to
+  that load scaled by aim / latency, unless the limit was cut in the last ``settle_s``. TPOT
+  grows with the batch at most in proportion (a decode step is a fixed cost plus a cost per
+  sequence), so that load would still be within the aim. Additive increase alone needs a
+  request's whole lifetime per step: after a calm spell a surge found the limit where the calm
+  had left it (10 per worker, against ~26 once settled) and interactive requests were turned
+  away for its first 3 s.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import math
 class ConcurrencyLimit:
     """Additive-increase / multiplicative-decrease limit on one worker's running requests."""
 
-    __slots__ = ("_cooldown", "_decrease", "_last_cut", "maximum", "minimum", "value")
+    __slots__ = (
+        "_cooldown", "_decrease", "_last_cut", "_settle", "maximum", "minimum", "value",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -32,12 +41,14 @@ class ConcurrencyLimit:
         minimum: float = 1.0,
         decrease: float = 0.9,
         cooldown_s: float = 1.0,
+        settle_s: float = 5.0,
     ) -> None:
         self.maximum = maximum
         self.minimum = minimum
         self.value = max(minimum, min(maximum, initial))
         self._decrease = decrease
         self._cooldown = cooldown_s
+        self._settle = settle_s
         self._last_cut = -math.inf
 
     @property
@@ -46,11 +57,19 @@ class ConcurrencyLimit:
         return max(1, math.floor(self.value + 1e-9))
 
     def on_result(
-        self, latency: float, aim: float, target: float, in_flight: int, now: float
+        self,
+        latency: float,
+        aim: float,
+        target: float,
+        in_flight: int,
+        now: float,
+        load: float | None = None,
     ) -> None:
         """Learn from one finished request's ``latency``; ``in_flight`` includes it.
 
-        At most ``aim``: room to grow (if the limit was binding). Over ``target``: a miss, cut.
+        At most ``aim``: room to grow (by one if the limit was binding; to ``load`` x aim /
+        latency if that is more and no cut is recent, ``load`` being the mean number of
+        requests it shared the worker with, itself included). Over ``target``: a miss, cut.
         In between: no change. Cutting only on real misses, rather than on every request over
         the aim, lets the limit settle where the latency spread straddles the aim instead of
         well below it (which on a compute-bound worker gave up throughput for no SLO gain).
@@ -59,5 +78,10 @@ class ConcurrencyLimit:
             if now - self._last_cut >= self._cooldown:
                 self.value = max(self.minimum, self.value * self._decrease)
                 self._last_cut = now
-        elif latency <= aim and in_flight >= self.limit:
+            return
+        if latency > aim:
+            return
+        if in_flight >= self.limit:
             self.value = min(self.maximum, self.value + 1.0)
+        if load is not None and latency > 0 and now - self._last_cut >= self._settle:
+            self.value = max(self.value, min(self.maximum, load * aim / latency))

@@ -74,7 +74,8 @@ class _Attempt:
     """One try of a request on one worker: keeps the worker's load accounting right."""
 
     __slots__ = (
-        "choice", "dispatched", "first", "own_tokens", "prefill_peers", "running", "tier", "worker",
+        "choice", "decode_load", "dispatched", "first", "first_occupancy", "own_tokens",
+        "prefill_peers", "running", "tier", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -86,8 +87,11 @@ class _Attempt:
         self.own_tokens = own_tokens
         self.dispatched = now
         self.first: float | None = None
+        self.first_occupancy = 0.0
+        self.decode_load: float | None = None
+        """Mean requests on the worker from first output to the end, this one included."""
         self.running = float(worker.in_flight)
-        worker.in_flight += 1
+        worker.add_in_flight(1, now)
         worker.tier_in_flight[tier] += 1
         worker.prefilling += 1
         self.prefill_peers = worker.prefilling
@@ -101,6 +105,7 @@ class _Attempt:
             return
         self.first = at
         worker = self.worker
+        self.first_occupancy = worker.occupancy(at)
         worker.prefill_tokens_ahead -= self.own_tokens
         worker.prefilling -= 1
         deps.pool.report_success(worker)
@@ -112,10 +117,12 @@ class _Attempt:
         )
         deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
 
-    def release(self, deps: RelayDeps) -> None:
-        """The attempt is over, whatever its outcome."""
+    def release(self, deps: RelayDeps, now: float) -> None:
+        """The attempt is over at ``now``, whatever its outcome."""
         worker = self.worker
-        worker.in_flight -= 1
+        if self.first is not None and now > self.first:
+            self.decode_load = (worker.occupancy(now) - self.first_occupancy) / (now - self.first)
+        worker.add_in_flight(-1, now)
         worker.tier_in_flight[self.tier] -= 1
         if self.first is None:
             worker.prefill_tokens_ahead -= self.own_tokens
@@ -224,8 +231,9 @@ class Relay(Response):
                 choice = retry
                 tried.add(choice.worker.label)
             finally:
-                attempt.release(deps)
-                deps.admission.completed(self._tier, self._timer.clock() - attempt.dispatched)
+                now = self._timer.clock()
+                attempt.release(deps, now)
+                deps.admission.completed(self._tier, now - attempt.dispatched)
 
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
         ticket = self._ctx.ticket
@@ -422,8 +430,9 @@ class Relay(Response):
                         None if attempt.first is None else attempt.first - attempt.dispatched
                     )
                     deps.admission.learn(
-                        attempt.worker, worker_ttft, summary.tpot_s, attempt.prefill_peers
-                    )
+                        attempt.worker, worker_ttft, summary.tpot_s, attempt.prefill_peers,
+                        attempt.decode_load,
+                    )  # fmt: skip
         if deps.settings.access_log:
             log.info(
                 "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "

@@ -67,6 +67,21 @@ class Worker:
         self.context_tokens = 0.0
         """Running average of prompt + completion tokens per request (for the roofline)."""
         self._busy: set[str] = set()
+        self._occupancy = 0.0
+        self._occupancy_at = 0.0
+
+    def occupancy(self, now: float) -> float:
+        """Request-seconds run here up to ``now``: ``in_flight`` integrated over time.
+
+        Two readings give the mean number of requests a stream shared the worker with.
+        """
+        return self._occupancy + self.in_flight * (now - self._occupancy_at)
+
+    def add_in_flight(self, delta: int, now: float) -> None:
+        """Count ``delta`` requests in (or out of) ``in_flight`` at ``now``."""
+        self._occupancy = self.occupancy(now)
+        self._occupancy_at = now
+        self.in_flight += delta
 
     @property
     def discovered(self) -> bool:

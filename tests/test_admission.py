@@ -24,9 +24,9 @@ from app.goodput import GoodputTracker, slo_result
 from app.limiter import ConcurrencyLimit
 from app.metrics import GatewayMetrics
 from app.routing import Router
-from app.settings import Settings, TierSpec
+from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
-from app.workers import WorkerPool
+from app.workers import Worker, WorkerPool
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
 
@@ -202,6 +202,41 @@ def test_concurrency_limit_never_leaves_its_bounds() -> None:
     for t in range(10):
         limit.on_result(0.2, 0.08, 0.1, 1, float(t))
     assert limit.limit == 1
+
+
+def test_limit_rises_at_once_to_the_load_its_pace_allows_but_not_right_after_a_cut() -> None:
+    limit = ConcurrencyLimit(initial=8, maximum=40, cooldown_s=1.0, settle_s=5.0)
+    # Streams that shared the worker with 9 others on average ran at 30 ms per token: TPOT
+    # grows at most in proportion to load, so 10 x 80 / 30 = 26.7 would stay within 80 ms.
+    # Not binding (3 running), yet the measured pace says so: the limit goes to 26.
+    limit.on_result(0.03, 0.08, 0.1, 3, 0.0, load=10.0)
+    assert limit.limit == 26
+    # A smaller projection never lowers it; one over the aim projects nothing.
+    limit.on_result(0.05, 0.08, 0.1, 3, 0.1, load=10.0)
+    limit.on_result(0.09, 0.08, 0.1, 3, 0.2, load=5.0)
+    assert limit.limit == 26
+    # A miss cuts (26.7 x 0.9); for ``settle_s`` after it only +1 steps apply, since the
+    # streams finishing now ran before the cut.
+    limit.on_result(0.12, 0.08, 0.1, 26, 1.0, load=26.0)
+    assert limit.limit == 24
+    limit.on_result(0.02, 0.08, 0.1, 3, 5.9, load=20.0)
+    assert limit.limit == 24
+    limit.on_result(0.02, 0.08, 0.1, 30, 5.9, load=20.0)
+    assert limit.limit == 25
+    # Settled: the projection applies again, capped at the maximum.
+    limit.on_result(0.02, 0.08, 0.1, 3, 6.0, load=20.0)
+    assert limit.limit == 40
+
+
+def test_worker_occupancy_integrates_in_flight_over_time() -> None:
+    worker = Worker(WorkerSpec(url="http://a:1"))
+    worker.add_in_flight(1, 10.0)
+    worker.add_in_flight(2, 12.0)
+    start = worker.occupancy(12.0)
+    worker.add_in_flight(-1, 13.0)
+    # From 12 s to 14 s: 3 requests for 1 s, then 2 for 1 s: 2.5 on average.
+    assert (worker.occupancy(14.0) - start) / 2.0 == pytest.approx(2.5)
+    assert worker.occupancy(14.0) == pytest.approx(2.0 + 3.0 + 2.0)
 
 
 async def test_full_worker_queues_by_tier_then_deadline_and_dispatches_when_freed() -> None:
