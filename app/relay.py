@@ -75,7 +75,7 @@ class _Attempt:
 
     __slots__ = (
         "choice", "decode_load", "dispatched", "first", "first_occupancy", "own_tokens",
-        "prefill_peers", "running", "tier", "worker",
+        "prefill_peers", "tier", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -90,7 +90,6 @@ class _Attempt:
         self.first_occupancy = 0.0
         self.decode_load: float | None = None
         """Mean requests on the worker from first output to the end, this one included."""
-        self.running = float(worker.in_flight)
         worker.add_in_flight(1, now)
         worker.tier_in_flight[tier] += 1
         worker.prefilling += 1
@@ -422,9 +421,9 @@ class Relay(Response):
                     metrics.worker_completion_tokens.labels(label).inc(tokens[1])
                     deps.sizer.observe(model, self._request.size, tokens[0])
                     deps.pool.record_tokens(attempt.worker, *tokens)
-                if self._outcome == "ok" and summary.tpot_s is not None:
-                    running = (attempt.running + attempt.worker.in_flight + 1) / 2
-                    attempt.worker.latency.observe_tpot(running, summary.tpot_s)
+                load = attempt.decode_load
+                if self._outcome == "ok" and summary.tpot_s is not None and load is not None:
+                    attempt.worker.latency.observe_tpot(load, summary.tpot_s)
                 if self._outcome == "ok" and self._request.stream:
                     worker_ttft = (
                         None if attempt.first is None else attempt.first - attempt.dispatched
