@@ -6,8 +6,11 @@ hardware, the prompt mix and the arrival rate. Rather than trusting a fitted mod
 (fits were seen to swing by 10x under load), the limit is found by feedback, as TCP finds a
 window (additive increase, multiplicative decrease):
 
-* a request whose latency was within the aim (the target times the headroom) while the limit
-  was what held it back raises the limit by one;
+* a request whose latency was within the aim (the target times the headroom) while it ran at
+  the limit (its mean load, or the count in flight when no load is given, at least the limit
+  less one) raises the limit by one: in a surge, requests finishing had run under the lighter
+  load of seconds before, and raising the limit on their word let the batch outgrow the TPOT
+  target;
 * a request that missed the target (TPOT over the strictest TPOT target, or the worker's own
   time to first token over its share of the strictest TTFT target) cuts it by ``decrease``, at
   most once per ``cooldown_s`` since one overload is seen by every request that lived through
@@ -67,7 +70,7 @@ class ConcurrencyLimit:
     ) -> None:
         """Learn from one finished request's ``latency``; ``in_flight`` includes it.
 
-        At most ``aim``: room to grow (by one if the limit was binding; to ``load`` x aim /
+        At most ``aim``: room to grow (by one if it ran at the limit; to ``load`` x aim /
         latency if that is more and no cut is recent, ``load`` being the mean number of
         requests it shared the worker with, itself included). Over ``target``: a miss, cut.
         In between: no change. Cutting only on real misses, rather than on every request over
@@ -81,7 +84,10 @@ class ConcurrencyLimit:
             return
         if latency > aim:
             return
-        if in_flight >= self.limit:
+        # Only a request that ran at the limit says the limit is safe: one that finishes now
+        # decoded under the load of its lifetime, which in a surge was well below today's.
+        ran_at = in_flight if load is None else load
+        if ran_at >= self.limit - 1:
             self.value = min(self.maximum, self.value + 1.0)
         if load is not None and latency > 0 and now - self._last_cut >= self._settle:
             self.value = max(self.value, min(self.maximum, load * aim / latency))

@@ -216,16 +216,33 @@ def test_limit_rises_at_once_to_the_load_its_pace_allows_but_not_right_after_a_c
     limit.on_result(0.09, 0.08, 0.1, 3, 0.2, load=5.0)
     assert limit.limit == 26
     # A miss cuts (26.7 x 0.9); for ``settle_s`` after it only +1 steps apply, since the
-    # streams finishing now ran before the cut.
+    # streams finishing now ran before the cut, and only for a stream that ran at the limit.
     limit.on_result(0.12, 0.08, 0.1, 26, 1.0, load=26.0)
     assert limit.limit == 24
-    limit.on_result(0.02, 0.08, 0.1, 3, 5.9, load=20.0)
-    assert limit.limit == 24
     limit.on_result(0.02, 0.08, 0.1, 30, 5.9, load=20.0)
+    assert limit.limit == 24
+    limit.on_result(0.02, 0.08, 0.1, 3, 5.9, load=23.5)
     assert limit.limit == 25
     # Settled: the projection applies again, capped at the maximum.
     limit.on_result(0.02, 0.08, 0.1, 3, 6.0, load=20.0)
     assert limit.limit == 40
+
+
+def test_limit_grows_by_one_only_on_a_stream_that_ran_at_the_limit() -> None:
+    limit = ConcurrencyLimit(initial=20, maximum=40, settle_s=5.0)
+    limit.on_result(0.12, 0.08, 0.1, 20, 0.0, load=20.0)  # a cut: 18, and no projection
+    # A surge: the worker is at its limit now, but the stream finishing decoded beside 9
+    # others on average; its pace says nothing about 18, so the limit stays.
+    limit.on_result(0.075, 0.08, 0.1, 18, 1.0, load=9.0)
+    assert limit.limit == 18
+    # One that decoded beside 17 others (the limit less one) did run there: +1.
+    limit.on_result(0.075, 0.08, 0.1, 5, 1.0, load=17.0)
+    assert limit.limit == 19
+    # Without a load, the count in flight at its end stands for it.
+    limit.on_result(0.075, 0.08, 0.1, 18, 1.0)
+    assert limit.limit == 20
+    limit.on_result(0.075, 0.08, 0.1, 10, 1.0)
+    assert limit.limit == 20
 
 
 def test_worker_occupancy_integrates_in_flight_over_time() -> None:
