@@ -49,8 +49,12 @@ _DRAIN_WINDOW_S = 10.0
 _MAX_RETRY_AFTER_S = 60.0
 # The window over which higher tiers' arrival rates set the capacity kept for them.
 _ACTIVE_S = 10.0
-# The recent span whose arrival rate counts when it is higher than the window's.
-_SURGE_S = 2.0
+# Recent spans whose arrival rate counts when it is higher than the window's, shortest first:
+# a surge is read within half a second instead of over two, while the slots handed to lower
+# tiers meanwhile would stay taken until their requests finish.
+_SURGE_SPANS_S = (0.5, 1.0, 2.0)
+# The fewest arrivals in a surge span that say anything (one alone is no rate).
+_SURGE_MIN_ARRIVALS = 3
 # The shortest span arrival rates are measured over (fewer arrivals say too little).
 _MIN_SPAN_S = 1.0
 # Weight of a finished request in the running average of how long a tier's requests hold a slot.
@@ -187,12 +191,12 @@ class AdmissionController:
         """Per tier priority, how many running slots its requests are expected to hold.
 
         Little's law: arrival rate x how long one of its requests holds a slot. The rate is the
-        larger of the last ``_SURGE_S`` seconds' and the last ``_ACTIVE_S`` seconds', both over
-        the span actually observed (at least ``_MIN_SPAN_S``): the long window alone would read
-        the first seconds of a surge as the trickle before it, and slots handed to a lower tier
-        meanwhile stay taken until its requests finish. Computed once per ``now`` (a dispatch
-        pass asks for every queued request and every worker) and again after an arrival or a
-        completion.
+        largest of the last ``_ACTIVE_S`` seconds' (over the span actually observed, at least
+        ``_MIN_SPAN_S``) and of each of the last ``_SURGE_SPANS_S`` (those with at least
+        ``_SURGE_MIN_ARRIVALS`` arrivals): the long window alone would read the first seconds
+        of a surge as the trickle before it, and slots handed to a lower tier meanwhile stay
+        taken until its requests finish. Computed once per ``now`` (a dispatch pass asks for
+        every queued request and every worker) and again after an arrival or a completion.
         """
         if self._expected[0] == now:
             return self._expected[1]
@@ -200,12 +204,23 @@ class AdmissionController:
         expected: dict[int, float] = {}
         if recent:
             span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - recent[0][0]))
-            surge_span = max(_MIN_SPAN_S, min(_SURGE_S, span))
-            overall = Counter(p for _, p in recent)
-            latest = Counter(p for t, p in recent if t >= now - _SURGE_S)
+            rates = {p: n / span for p, n in Counter(p for _, p in recent).items()}
+            latest: Counter[int] = Counter()
+            spans = iter(_SURGE_SPANS_S)
+            window = next(spans)
+            for at, priority in reversed(recent):
+                while at < now - window:
+                    _peak(rates, latest, window)
+                    window = next(spans, math.inf)
+                if window == math.inf:
+                    break
+                latest[priority] += 1
+            else:
+                _peak(rates, latest, window)
+                for window in spans:
+                    _peak(rates, latest, window)
             fallback = max(self._held.values(), default=0.0)
-            for priority, count in overall.items():
-                rate = max(count / span, latest[priority] / surge_span)
+            for priority, rate in rates.items():
                 expected[priority] = rate * self._held.get(priority, fallback)
         self._expected = (now, expected)
         return expected
@@ -502,3 +517,10 @@ class AdmissionController:
         if rate <= 0:
             return min(_MAX_RETRY_AFTER_S, ticket.tier.max_queue_wait_s)
         return min(_MAX_RETRY_AFTER_S, max(0.1, ahead / rate))
+
+
+def _peak(rates: dict[int, float], counts: Counter[int], window: float) -> None:
+    """Raise each priority's rate in ``rates`` to its ``counts`` over ``window`` seconds."""
+    for priority, count in counts.items():
+        if count >= _SURGE_MIN_ARRIVALS:
+            rates[priority] = max(rates[priority], count / window)

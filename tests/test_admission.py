@@ -194,6 +194,26 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     assert not admission._full(worker, batch)
 
 
+def test_a_surge_is_read_from_the_shortest_span_with_enough_arrivals() -> None:
+    clock = FakeClock()
+    admission, _, _, _ = _controller(clock)
+    admission.completed("interactive", 4.0)  # its requests hold a slot 4 s
+    top = 0
+    # A trickle: one arrival a second for 10 s reads as 1/s (one or two in a short span is
+    # not a rate).
+    for t in range(10):
+        admission._arrivals.append((clock.now - 9.5 + t, top))
+    assert admission._expected_slots(clock.now)[top] == pytest.approx(10 / 9.5 * 4)
+    # Three more within 0.2 s: the last half second says 6/s, so 24 slots are expected at
+    # once (the last second, 4 arrivals, says only 4/s).
+    clock.now += 0.3
+    admission._arrivals.extend((clock.now - 0.3 + 0.1 * i, top) for i in range(3))
+    assert admission._expected_slots(clock.now)[top] == pytest.approx(3 / 0.5 * 4)
+    # A second later the last second is empty; the last 2 s hold 4: 2/s.
+    clock.now += 1.0
+    assert admission._expected_slots(clock.now)[top] == pytest.approx(4 / 2.0 * 4)
+
+
 def test_concurrency_limit_never_leaves_its_bounds() -> None:
     limit = ConcurrencyLimit(initial=2, maximum=4, minimum=1, decrease=0.5, cooldown_s=0)
     for _ in range(10):
