@@ -49,9 +49,9 @@ _DRAIN_WINDOW_S = 10.0
 _MAX_RETRY_AFTER_S = 60.0
 # The window over which higher tiers' arrival rates set the capacity kept for them.
 _ACTIVE_S = 10.0
-# Recent spans whose arrival rate counts when it is higher than the window's, shortest first:
-# a surge is read within half a second instead of over two, while the slots handed to lower
-# tiers meanwhile would stay taken until their requests finish.
+# Recent spans whose arrival rate counts when it is higher than the window's: a surge is read
+# within half a second instead of over two, while the slots handed to lower tiers meanwhile
+# would stay taken until their requests finish.
 _SURGE_SPANS_S = (0.5, 1.0, 2.0)
 # The fewest arrivals in a surge span that say anything (one alone is no rate).
 _SURGE_MIN_ARRIVALS = 3
@@ -205,20 +205,15 @@ class AdmissionController:
         if recent:
             span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - recent[0][0]))
             rates = {p: n / span for p, n in Counter(p for _, p in recent).items()}
-            latest: Counter[int] = Counter()
-            spans = iter(_SURGE_SPANS_S)
-            window = next(spans)
-            for at, priority in reversed(recent):
-                while at < now - window:
-                    _peak(rates, latest, window)
-                    window = next(spans, math.inf)
-                if window == math.inf:
-                    break
-                latest[priority] += 1
-            else:
-                _peak(rates, latest, window)
-                for window in spans:
-                    _peak(rates, latest, window)
+            for window in _SURGE_SPANS_S:
+                latest: Counter[int] = Counter()
+                for at, priority in reversed(recent):
+                    if at < now - window:
+                        break
+                    latest[priority] += 1
+                for priority, count in latest.items():
+                    if count >= _SURGE_MIN_ARRIVALS:
+                        rates[priority] = max(rates[priority], count / window)
             fallback = max(self._held.values(), default=0.0)
             for priority, rate in rates.items():
                 expected[priority] = rate * self._held.get(priority, fallback)
@@ -517,10 +512,3 @@ class AdmissionController:
         if rate <= 0:
             return min(_MAX_RETRY_AFTER_S, ticket.tier.max_queue_wait_s)
         return min(_MAX_RETRY_AFTER_S, max(0.1, ahead / rate))
-
-
-def _peak(rates: dict[int, float], counts: Counter[int], window: float) -> None:
-    """Raise each priority's rate in ``rates`` to its ``counts`` over ``window`` seconds."""
-    for priority, count in counts.items():
-        if count >= _SURGE_MIN_ARRIVALS:
-            rates[priority] = max(rates[priority], count / window)
