@@ -429,9 +429,8 @@ class Relay(Response):
                         None if attempt.first is None else attempt.first - attempt.dispatched
                     )
                     deps.admission.learn(
-                        attempt.worker, worker_ttft, summary.tpot_s, attempt.prefill_peers,
-                        attempt.decode_load,
-                    )  # fmt: skip
+                        attempt.worker, worker_ttft, summary.tpot_s, attempt.prefill_peers, load
+                    )
         if deps.settings.access_log:
             log.info(
                 "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "
