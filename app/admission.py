@@ -193,9 +193,10 @@ class AdmissionController:
         Little's law: arrival rate x how long one of its requests holds a slot. The rate is the
         largest of the last ``_ACTIVE_S`` seconds' (over the span actually observed, at least
         ``_MIN_SPAN_S``) and of each of the last ``_SURGE_SPANS_S`` (those with at least
-        ``_SURGE_MIN_ARRIVALS`` arrivals): the long window alone would read the first seconds
-        of a surge as the trickle before it, and slots handed to a lower tier meanwhile stay
-        taken until its requests finish. Computed once per ``now`` (a dispatch pass asks for
+        ``_SURGE_MIN_ARRIVALS`` arrivals of the tier, or of all tiers together, shared out by
+        the tier's part of the window's arrivals): the long window alone would read the first
+        seconds of a surge as the trickle before it, and slots handed to a lower tier meanwhile
+        stay taken until its requests finish. Computed once per ``now`` (a dispatch pass asks for
         every queued request and every worker) and again after an arrival or a completion.
         """
         if self._expected[0] == now:
@@ -204,7 +205,8 @@ class AdmissionController:
         expected: dict[int, float] = {}
         if recent:
             span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - recent[0][0]))
-            rates = {p: n / span for p, n in Counter(p for _, p in recent).items()}
+            counts = Counter(p for _, p in recent)
+            rates = {p: n / span for p, n in counts.items()}
             for window in _SURGE_SPANS_S:
                 latest: Counter[int] = Counter()
                 for at, priority in reversed(recent):
@@ -214,6 +216,13 @@ class AdmissionController:
                 for priority, count in latest.items():
                     if count >= _SURGE_MIN_ARRIVALS:
                         rates[priority] = max(rates[priority], count / window)
+                # All tiers' arrivals, shared out by each tier's part of the window: a surge of
+                # every tier shows in the total three times sooner than in a 30% tier's own.
+                pooled = sum(latest.values())
+                if pooled >= _SURGE_MIN_ARRIVALS:
+                    for priority, count in counts.items():
+                        share = count / len(recent)
+                        rates[priority] = max(rates[priority], pooled / window * share)
             fallback = max(self._held.values(), default=0.0)
             for priority, rate in rates.items():
                 expected[priority] = rate * self._held.get(priority, fallback)

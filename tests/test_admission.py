@@ -214,6 +214,25 @@ def test_a_surge_is_read_from_the_shortest_span_with_enough_arrivals() -> None:
     assert admission._expected_slots(clock.now)[top] == pytest.approx(4 / 2.0 * 4)
 
 
+def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -> None:
+    clock = FakeClock()
+    admission, _, _, _ = _controller(clock)
+    admission.completed("interactive", 4.0)  # its requests hold a slot 4 s
+    top, middle = 0, 1
+    # Ten quiet seconds: one top and two middle arrivals a second; top is a third of them.
+    for t in range(10):
+        at = clock.now - 9.6 + t
+        admission._arrivals.extend([(at, top), (at, middle), (at + 0.25, middle)])
+    assert admission._expected_slots(clock.now)[top] == pytest.approx(10 / 9.6 * 4)
+    # Every tier surges: 9 arrivals in the last 0.3 s, only two of them top. Two alone say
+    # nothing, but all nine say 18/s, a third of which (the top tier's share of the 10 s
+    # window, 12 of 39) is the top tier's: 18 x 12 / 39 per second, each holding 4 s.
+    clock.now += 0.3
+    surge = [top, middle, middle, middle, top, middle, middle, middle, middle]
+    admission._arrivals.extend((clock.now - 0.3 + 0.03 * i, p) for i, p in enumerate(surge))
+    assert admission._expected_slots(clock.now)[top] == pytest.approx(9 / 0.5 * 12 / 39 * 4)
+
+
 def test_concurrency_limit_never_leaves_its_bounds() -> None:
     limit = ConcurrencyLimit(initial=2, maximum=4, minimum=1, decrease=0.5, cooldown_s=0)
     for _ in range(10):
