@@ -172,6 +172,7 @@ class AdmissionController:
     def export(self) -> None:
         """Refresh each worker's concurrency limit and learnt latency model (before an export)."""
         metrics = self._metrics
+        now = self._clock()
         for worker in self._pool.workers.values():
             label = worker.label
             latency = worker.latency
@@ -182,6 +183,7 @@ class AdmissionController:
             metrics.worker_prefill_rate.labels(label).set(1.0 / slope if slope > 0 else 0.0)
             metrics.worker_decode_step.labels(label).set(latency.decode.predict(1))
             metrics.worker_decode_per_sequence.labels(label).set(latency.decode.slope)
+            metrics.worker_decode_pace.labels(label).set(worker.pace.current(now) or 0.0)
 
     def _reserved_on(self, worker: Worker) -> int:
         return sum(1 for c in self._reserved.values() if c.worker is worker)
