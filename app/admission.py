@@ -108,13 +108,6 @@ class AdmissionController:
         self._ticker: asyncio.Task[None] | None = None
         targets = [t.tpot_slo_s for t in settings.tiers if t.tpot_slo_s is not None]
         self._tpot_target = min(targets) if targets else None
-        # Between the limits' aim and the target: steps this slow mean the batch is already
-        # past what the limit learnt, and one more request would slow every stream in it.
-        self._pace_gate = (
-            None
-            if self._tpot_target is None
-            else self._tpot_target * (1 + settings.ttft_headroom) / 2
-        )
         self._ttft_target = min(t.ttft_slo_s for t in settings.tiers)
         self._priorities = {t.name: t.priority for t in settings.tiers}
         self._arrivals: deque[tuple[float, int]] = deque()
@@ -172,7 +165,6 @@ class AdmissionController:
     def export(self) -> None:
         """Refresh each worker's concurrency limit and learnt latency model (before an export)."""
         metrics = self._metrics
-        now = self._clock()
         for worker in self._pool.workers.values():
             label = worker.label
             latency = worker.latency
@@ -183,7 +175,6 @@ class AdmissionController:
             metrics.worker_prefill_rate.labels(label).set(1.0 / slope if slope > 0 else 0.0)
             metrics.worker_decode_step.labels(label).set(latency.decode.predict(1))
             metrics.worker_decode_per_sequence.labels(label).set(latency.decode.slope)
-            metrics.worker_decode_pace.labels(label).set(worker.pace.current(now) or 0.0)
 
     def _reserved_on(self, worker: Worker) -> int:
         return sum(1 for c in self._reserved.values() if c.worker is worker)
@@ -266,21 +257,18 @@ class AdmissionController:
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
-        Running or prefilling at its limit, or its streams' output events coming further apart
-        than halfway from the limits' aim to the TPOT target (:class:`app.limiter.DecodePace`).
-        Below a tier that has had requests in the last
+        Running or prefilling at its limit. Below a tier that has had requests in the last
         ``_ACTIVE_S`` seconds, the limits are lower: the running slots that tier is expected
         to need (:meth:`_kept_for_higher`) and one prefill slot are kept free for it, leaving
         a lower tier at least the last slot of an otherwise empty worker.
         """
-        now = self._clock() if now is None else now
-        if self._pace_gate is not None and worker.in_flight > 0:
-            pace = worker.pace.current(now)
-            if pace is not None and pace > self._pace_gate:
-                return True
         reserved = self._reserved_on(worker)
         cap, prefill_cap = self.cap(worker), self.prefill_cap(worker)
-        kept = 0 if tier is None else self._kept_for_higher(worker, tier, workers, now)
+        if tier is None:
+            kept = 0
+        else:
+            now = self._clock() if now is None else now
+            kept = self._kept_for_higher(worker, tier, workers, now)
         if kept:
             cap -= min(cap - 1, kept)
             prefill_cap -= min(prefill_cap - 1, 1)

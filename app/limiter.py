@@ -91,35 +91,3 @@ class ConcurrencyLimit:
             self.value = min(self.maximum, self.value + 1.0)
         if load is not None and latency > 0 and now - self._last_cut >= self._settle:
             self.value = max(self.value, min(self.maximum, load * aim / latency))
-
-
-class DecodePace:
-    """A worker's gap between output events right now, from every stream it is running.
-
-    The concurrency limit learns from a stream's TPOT when it ends, seconds after the load it
-    decoded under was set. When a surge fills a worker, the prefills of the new requests slow
-    every running stream at once; the pace sees that within a few decode steps, so admission
-    can stop adding to the batch before the streams already in it miss their target. An
-    exponentially weighted mean per event (every stream's event counts, so a busy worker's pace
-    is read over a shorter time than an idle one's), and stale after ``max_age_s`` without one.
-    """
-
-    __slots__ = ("_at", "_max_age", "_weight", "value")
-
-    def __init__(self, weight: float = 0.01, max_age_s: float = 1.0) -> None:
-        self.value = 0.0
-        self._weight = weight
-        self._max_age = max_age_s
-        self._at = -math.inf
-
-    def observe(self, gap: float, at: float) -> None:
-        """One stream's output event ``gap`` seconds after its previous one, received ``at``."""
-        if at - self._at > self._max_age:
-            self.value = gap
-        else:
-            self.value += self._weight * (gap - self.value)
-        self._at = at
-
-    def current(self, now: float) -> float | None:
-        """The pace at ``now``, or None when no stream has had an event for ``max_age_s``."""
-        return self.value if now - self._at <= self._max_age else None

@@ -163,12 +163,6 @@ class GatewayMetrics:
             "Learnt TPOT model: time per decode step with one sequence running.",
             by_worker, registry=reg,
         )  # fmt: skip
-        self.worker_decode_pace = Gauge(
-            "gateway_worker_decode_pace_seconds",
-            "Recent gap between output events of the worker's streams (admission holds new "
-            "requests back while it is over halfway from the limits' aim to the TPOT target).",
-            by_worker, registry=reg,
-        )  # fmt: skip
         self.worker_decode_per_sequence = Gauge(
             "gateway_worker_decode_seconds_per_sequence",
             "Learnt TPOT model: how much each running sequence adds to a decode step.",
@@ -221,7 +215,7 @@ class GatewayMetrics:
             self.worker_load_age, self.worker_in_flight, self.worker_ttft, self.worker_itl,
             self.worker_completion_tokens, self.worker_roofline, self.worker_bandwidth,
             self.worker_concurrency_limit, self.worker_prefill_limit, self.worker_prefill_rate,
-            self.worker_decode_step, self.worker_decode_per_sequence, self.worker_decode_pace,
+            self.worker_decode_step, self.worker_decode_per_sequence,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}
 

@@ -277,11 +277,8 @@ class Relay(Response):
                     for event in events:
                         kind = classify(event)
                         if kind is EventKind.OUTPUT:
-                            previous = timer.last_output
-                            if previous is None:
+                            if not timer.output_events:
                                 attempt.first_output(deps, received)
-                            else:
-                                worker.pace.observe(received - previous, received)
                             timer.output(received)
                         elif kind is EventKind.USAGE:
                             self._tokens = parse_usage(event) or self._tokens

@@ -75,11 +75,6 @@ class RequestTimer:
         return self._outputs[0] if self._outputs else None
 
     @property
-    def last_output(self) -> float | None:
-        """When the latest output event arrived, if one did."""
-        return self._outputs[-1] if self._outputs else None
-
-    @property
     def output_events(self) -> int:
         """How many output events arrived."""
         return len(self._outputs)

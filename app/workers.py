@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from app.discovery import Resolver, discover
-from app.limiter import ConcurrencyLimit, DecodePace
+from app.limiter import ConcurrencyLimit
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import OTHER_MODEL, GatewayMetrics
 from app.predictor import LatencyModel, WorkerLoad
@@ -64,8 +64,6 @@ class Worker:
         """Requests sent here that have not produced their first token yet."""
         self.prefill_limit = prefill_limit or ConcurrencyLimit(initial=2, maximum=256)
         """How many may be prefilling at once, steered by their measured time to first token."""
-        self.pace = DecodePace()
-        """The gap between output events of the streams running here, right now."""
         self.context_tokens = 0.0
         """Running average of prompt + completion tokens per request (for the roofline)."""
         self._busy: set[str] = set()

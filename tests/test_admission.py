@@ -21,7 +21,7 @@ from app.errors import (
     TierNotAllowed,
 )
 from app.goodput import GoodputTracker, slo_result
-from app.limiter import ConcurrencyLimit, DecodePace
+from app.limiter import ConcurrencyLimit
 from app.metrics import GatewayMetrics
 from app.routing import Router
 from app.settings import Settings, TierSpec, WorkerSpec
@@ -231,39 +231,6 @@ def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -
     surge = [top, middle, middle, middle, top, middle, middle, middle, middle]
     admission._arrivals.extend((clock.now - 0.3 + 0.03 * i, p) for i, p in enumerate(surge))
     assert admission._expected_slots(clock.now)[top] == pytest.approx(9 / 0.5 * 12 / 39 * 4)
-
-
-def test_decode_pace_follows_recent_gaps_and_goes_stale() -> None:
-    pace = DecodePace(weight=0.5, max_age_s=1.0)
-    assert pace.current(0.0) is None  # nothing seen yet
-    pace.observe(0.08, 10.0)
-    assert pace.current(10.0) == pytest.approx(0.08)
-    pace.observe(0.12, 10.1)  # half way to the new gap
-    assert pace.current(10.5) == pytest.approx(0.10)
-    assert pace.current(11.2) is None  # no event for over a second
-    pace.observe(0.05, 11.2)  # a stale mean is forgotten, not averaged in
-    assert pace.current(11.2) == pytest.approx(0.05)
-
-
-def test_a_worker_whose_streams_slow_past_the_gate_takes_no_more() -> None:
-    clock = FakeClock()
-    admission, pool, _, settings = _controller(clock)
-    worker = pool.workers["a:1"]
-    worker.limit.value = 20
-    interactive = _tier(settings, "interactive")
-    worker.in_flight = 5
-    # Gate: half way from the aim (0.8 x 100 ms) to the 100 ms TPOT target: 90 ms.
-    worker.pace.observe(0.089, clock.now)
-    assert not admission._full(worker, interactive)
-    worker.pace.value = 0.091
-    assert admission._full(worker, interactive)
-    assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is None
-    # An idle worker is never held back by its last streams' pace, nor a stale pace.
-    worker.in_flight = 0
-    assert not admission._full(worker, interactive)
-    worker.in_flight = 5
-    clock.now += 1.5
-    assert not admission._full(worker, interactive)
 
 
 def test_concurrency_limit_never_leaves_its_bounds() -> None:

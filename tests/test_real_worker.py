@@ -105,9 +105,6 @@ async def test_sdk_chat_stream_is_relayed_token_by_token(
     assert total(after, itl, **labels) - total(before, itl, **labels) == len(content) - 1
     tokens = "gateway_completion_tokens_total"
     assert total(after, tokens, **labels) - total(before, tokens, **labels) == 24
-    # The worker's live pace (what admission holds new requests back by) saw this stream's
-    # gaps between tokens: a few milliseconds on this tiny model, not nothing.
-    assert 0 < total(after, "gateway_worker_decode_pace_seconds") < 0.5
     ok = "gateway_requests_total"
     assert (
         total(after, ok, outcome="ok", endpoint="chat")

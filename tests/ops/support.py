@@ -60,7 +60,6 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_prefill_tokens_per_second": _WORKER,
     "gateway_worker_decode_step_seconds": _WORKER,
     "gateway_worker_decode_seconds_per_sequence": _WORKER,
-    "gateway_worker_decode_pace_seconds": _WORKER,
     "gateway_queue_depth": ("tier",),
     "gateway_goodput_ratio": ("tier",),
     "gateway_tier_slo_ttft_seconds": ("tier",),
