@@ -207,6 +207,7 @@ class AdmissionController:
             span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - recent[0][0]))
             counts = Counter(p for _, p in recent)
             rates = {p: n / span for p, n in counts.items()}
+            shares = {p: n / len(recent) for p, n in counts.items()}
             for window in _SURGE_SPANS_S:
                 latest: Counter[int] = Counter()
                 for at, priority in reversed(recent):
@@ -220,8 +221,7 @@ class AdmissionController:
                 # every tier shows in the total three times sooner than in a 30% tier's own.
                 pooled = sum(latest.values())
                 if pooled >= _SURGE_MIN_ARRIVALS:
-                    for priority, count in counts.items():
-                        share = count / len(recent)
+                    for priority, share in shares.items():
                         rates[priority] = max(rates[priority], pooled / window * share)
             fallback = max(self._held.values(), default=0.0)
             for priority, rate in rates.items():

@@ -213,7 +213,7 @@ async def calibrate(
     overload's backlog to build up: 15-second steps were seen to pass at 11 req/s where 40
     seconds at 10 req/s left 22% within the SLO. And one run is not enough: near the knee a
     pass-through either keeps up or its backlog runs away, depending on the bursts in that
-    one sequence (on this machine 40-s runs at 9.5 req/s met 100% in some runs, 1-20% in others).
+    one sequence (on this machine 40-s runs at 9.5 req/s met 99-100% in some runs, 1-64% in others).
     Returns the capacity and every run's figures.
     """
     passed: dict[float, bool] = {}

@@ -225,8 +225,8 @@ def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -
         admission._arrivals.extend([(at, top), (at, middle), (at + 0.25, middle)])
     assert admission._expected_slots(clock.now)[top] == pytest.approx(10 / 9.6 * 4)
     # Every tier surges: 9 arrivals in the last 0.3 s, only two of them top. Two alone say
-    # nothing, but all nine say 18/s, a third of which (the top tier's share of the 10 s
-    # window, 12 of 39) is the top tier's: 18 x 12 / 39 per second, each holding 4 s.
+    # nothing, but all nine say 18/s, of which the top tier's part is its share of the 10-s
+    # window's arrivals, 12 of 39: 18 x 12 / 39 per second, each holding 4 s.
     clock.now += 0.3
     surge = [top, middle, middle, middle, top, middle, middle, middle, middle]
     admission._arrivals.extend((clock.now - 0.3 + 0.03 * i, p) for i, p in enumerate(surge))
