@@ -114,8 +114,6 @@ class AdmissionController:
         self._short_until: dict[int, float] = {}
         self._held: dict[int, float] = {}
         self._expected: tuple[float, dict[int, float]] = _NOT_COMPUTED
-        for tier in settings.tiers:
-            metrics.queue_depth.labels(tier.name).set(0)
 
     # Capacity -----------------------------------------------------------------------------
 

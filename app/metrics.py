@@ -17,6 +17,7 @@ from app.timing import TimingSummary
 
 OTHER_MODEL = "other"
 OUTCOMES = ("ok", "client_cancelled", "upstream_error", "timeout", "rejected", "invalid_request")
+DECISIONS = ("admitted", "queued", "rejected", "shed", "expired", "cancelled")
 
 
 class GatewayMetrics:
@@ -209,6 +210,14 @@ class GatewayMetrics:
             "gateway_tier_slo_tpot_seconds", "The tier's TPOT target.", by_tier_only,
             registry=reg,
         )  # fmt: skip
+        for tier in settings.tiers:
+            # Exported at zero from the start: rate() counts only increases between scrapes, so
+            # a series that first appears with its first burst of events shows no rate for it.
+            self.queue_depth.labels(tier.name).set(0)
+            self.queue_wait.labels(tier.name)
+            self.prediction_error.labels(tier.name)
+            for decision in DECISIONS:
+                self.admission_decisions.labels(tier.name, decision)
         self._worker_metrics = (
             self.worker_up, self.worker_ejected, self.worker_ejections, self.worker_routed,
             self.worker_failovers, self.worker_running, self.worker_waiting, self.worker_kv_cache,

@@ -431,6 +431,22 @@ async def test_admission_off_relays_everything_at_once() -> None:
     assert waited == 0.0
 
 
+def test_every_tiers_admission_series_is_exported_at_zero_before_its_first_request() -> None:
+    # Prometheus's rate() sees only increases between two scrapes: a series first scraped
+    # after a burst of queued requests would show no queue wait for that burst.
+    settings = settings_for("http://a:1")
+    sample = GatewayMetrics(settings).registry.get_sample_value
+    for tier in settings.tiers:
+        labels = {"tier": tier.name}
+        assert sample("gateway_queue_wait_seconds_count", labels) == 0
+        assert sample("gateway_queue_wait_seconds_bucket", {**labels, "le": "+Inf"}) == 0
+        assert sample("gateway_ttft_prediction_error_seconds_count", labels) == 0
+        assert sample("gateway_queue_depth", labels) == 0
+        for decision in ("admitted", "queued", "rejected", "shed", "expired", "cancelled"):
+            decided = {**labels, "decision": decision}
+            assert sample("gateway_admission_decisions_total", decided) == 0
+
+
 def _key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
