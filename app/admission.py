@@ -13,8 +13,9 @@ law over their recent arrivals and how long their requests hold a slot; requests
 preempted, so capacity handed to a lower tier stays taken until its requests finish).
 
 When no worker has room, the request waits in one priority queue (higher tier first,
-earliest deadline first within a tier) as long as waiting can still meet its TTFT target, up
-to the tier's maximum wait. When it cannot (its prefill alone is too long, or the requests
+earliest deadline first within a tier) as long as waiting can still meet its TTFT target
+(leaving, after the wait, the worker's recent time to first token), up to the tier's maximum
+wait. When it cannot (its prefill alone is too long, or the requests
 queued ahead of it will not have left by its deadline at the observed drain rate), it is
 rejected at once with 429 and a Retry-After computed from that drain rate; a queued request
 whose deadline passes gets 503 and a Retry-After. A full queue sheds a sheddable request of a
@@ -294,6 +295,21 @@ class AdmissionController:
             best = min(best, worker.latency.prefill.predict(ticket.own_tokens))
         return best
 
+    def _start_margin(self, ticket: Ticket, fastest: float) -> float:
+        """Time to leave, between leaving the queue and the TTFT target, for the first token.
+
+        On the best worker, the larger of the idle prefill (``fastest``) and its recent times
+        to first token (:attr:`app.workers.Worker.recent_ttft`): under load a request is
+        prefilled behind others. A request dispatched later than this would likely miss its
+        target anyway, and would hold a slot for its whole answer that one that can still
+        meet its target could have had (seen: interactive requests dispatched at the last
+        moment of their wait got first tokens 1.0-1.4 s after arriving).
+        """
+        candidates = self._router.candidates(ticket.model)
+        return min(
+            (max(fastest, worker.recent_ttft.value()) for worker in candidates), default=fastest
+        )
+
     # Admission ----------------------------------------------------------------------------
 
     async def admit(self, ticket: Ticket) -> tuple[Choice, float]:
@@ -320,7 +336,7 @@ class AdmissionController:
             if choice is not None:
                 self._decide(tier, "admitted")
                 return choice, 0.0
-        latest_start = ticket.arrival + ticket.tier.ttft_slo_s - fastest
+        latest_start = ticket.arrival + ticket.tier.ttft_slo_s - self._start_margin(ticket, fastest)
         ticket.deadline = min(ticket.arrival + ticket.tier.max_queue_wait_s, latest_start)
         # Waiting only to be told no at the deadline helps nobody: if the work ahead of it,
         # at the rate requests are leaving the workers, will not be gone by then, say so now.

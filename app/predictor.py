@@ -17,6 +17,8 @@ does not gate on them (see :mod:`app.limiter`): under load the fits were seen to
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -60,6 +62,35 @@ class OnlineLinear:
     def predict(self, x: float) -> float:
         """``intercept + slope * x``."""
         return self.intercept + self.slope * x
+
+
+class RecentQuantile:
+    """A quantile of the last ``size`` observations (e.g. a worker's recent times to first token).
+
+    Kept sorted as they come, so reading the quantile is one index.
+    """
+
+    __slots__ = ("_order", "_quantile", "_sorted")
+
+    def __init__(self, quantile: float, size: int = 50) -> None:
+        self._quantile = quantile
+        self._order: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+
+    def observe(self, value: float) -> None:
+        """Add ``value``, forgetting the oldest observation once the window is full."""
+        order = self._order
+        if len(order) == order.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, order[0])]
+        order.append(value)
+        bisect.insort(self._sorted, value)
+
+    def value(self, default: float = 0.0) -> float:
+        """The quantile of the window (nearest rank), or ``default`` before any observation."""
+        ordered = self._sorted
+        if not ordered:
+            return default
+        return ordered[min(len(ordered) - 1, int(self._quantile * len(ordered)))]
 
 
 # Decode steps and prefill share the worker: each running sequence slows prefill a little.

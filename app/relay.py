@@ -110,6 +110,7 @@ class _Attempt:
         deps.pool.report_success(worker)
         ttft = at - self.dispatched
         worker.latency.observe_ttft(self.choice.prefill_work, ttft)
+        worker.recent_ttft.observe(ttft)
         deps.metrics.worker_ttft.labels(worker.label).observe(ttft)
         deps.metrics.prediction_error.labels(self.tier).observe(
             abs(ttft - self.choice.predicted_ttft_s)

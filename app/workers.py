@@ -25,7 +25,7 @@ from app.discovery import Resolver, discover
 from app.limiter import ConcurrencyLimit
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import OTHER_MODEL, GatewayMetrics
-from app.predictor import LatencyModel, WorkerLoad
+from app.predictor import LatencyModel, RecentQuantile, WorkerLoad
 from app.settings import Settings, WorkerSpec
 from app.timing import Clock
 
@@ -62,6 +62,8 @@ class Worker:
         """How many requests admission lets run here, steered by their measured TPOT."""
         self.prefilling = 0
         """Requests sent here that have not produced their first token yet."""
+        self.recent_ttft = RecentQuantile(0.8)
+        """The 80th percentile of its last times to first token (dispatch to first output)."""
         self.prefill_limit = prefill_limit or ConcurrencyLimit(initial=2, maximum=256)
         """How many may be prefilling at once, steered by their measured time to first token."""
         self.context_tokens = 0.0

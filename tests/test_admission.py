@@ -23,6 +23,7 @@ from app.errors import (
 from app.goodput import GoodputTracker, slo_result
 from app.limiter import ConcurrencyLimit
 from app.metrics import GatewayMetrics
+from app.predictor import RecentQuantile
 from app.routing import Router
 from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
@@ -351,6 +352,49 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     choice, waited = await batch
     assert choice.worker is pool.workers["a:1"]
     assert waited == pytest.approx(2.5)
+
+
+async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_ttft() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)
+    worker = pool.workers["a:1"]
+    worker.in_flight = 1
+    for _ in range(10):
+        worker.recent_ttft.observe(0.1)
+    quick = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
+    await asyncio.sleep(0)
+    # Recent first tokens came 0.1 s after dispatch: up to 0.9 s in the queue can still work.
+    clock.now += 0.6
+    admission._dispatch()
+    assert not quick.done()
+    worker.in_flight = 0
+    admission._dispatch()
+    await quick
+    # Now they come 0.6 s after dispatch (prefill behind others): dispatched after 0.4 s in
+    # the queue, a request would most likely miss its 1 s target, so it leaves with a 503.
+    worker.in_flight = 1
+    for _ in range(50):
+        worker.recent_ttft.observe(0.6)
+    slow = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
+    await asyncio.sleep(0)
+    clock.now += 0.45
+    admission._dispatch()
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(slow, 1.0)
+    assert _decisions(metrics, "interactive", "expired") == 1
+
+
+def test_recent_quantile_reads_only_the_last_observations() -> None:
+    recent = RecentQuantile(0.8, size=5)
+    assert recent.value(default=0.25) == 0.25
+    for value in (5.0, 1.0, 4.0, 2.0, 3.0):
+        recent.observe(value)
+    assert recent.value() == 5.0  # nearest rank: the 5th of 5 at q=0.8 (index 4)
+    for value in (0.1, 0.2, 0.3, 0.4):
+        recent.observe(value)  # 5.0, 1.0, 4.0, 2.0 fall out of the window
+    assert recent.value() == 3.0
+    recent.observe(0.5)
+    assert recent.value() == 0.5
 
 
 async def test_a_request_that_cannot_meet_its_ttft_even_by_waiting_is_rejected_429() -> None:
