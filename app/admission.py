@@ -161,6 +161,16 @@ class AdmissionController:
                 worker_ttft_s, headroom * target, target, prefill_peers, now
             )
 
+    def paced(self, worker: Worker, pace_s: float, now: float) -> None:
+        """``worker``'s streams advanced ``pace_s`` per token over the last few seconds.
+
+        Slower than the strictest TPOT target: the batch has outgrown it now, so the running
+        limit is cut at once (from what runs there) instead of when the streams that live
+        through it end, seconds later (:class:`app.limiter.DecodePace`).
+        """
+        if self._tpot_target is not None and pace_s > self._tpot_target:
+            worker.limit.cut(worker.in_flight, now)
+
     def export(self) -> None:
         """Refresh each worker's concurrency limit and learnt latency model (before an export)."""
         metrics = self._metrics

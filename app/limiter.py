@@ -14,7 +14,10 @@ window (additive increase, multiplicative decrease):
 * a request that missed the target (TPOT over the strictest TPOT target, or the worker's own
   time to first token over its share of the strictest TTFT target) cuts it by ``decrease``, at
   most once per ``cooldown_s`` since one overload is seen by every request that lived through
-  it;
+  it, and from the count in flight when that is lower (:meth:`ConcurrencyLimit.cut`);
+* so does the worker's live pace (:class:`DecodePace`) when its running streams, together,
+  advance slower than the TPOT target: a finished stream tells of a batch it joined seconds
+  before;
 * a request between the aim and the target changes nothing;
 * given the ``load`` it ran under, a request within the aim also lets the limit rise at once to
   that load scaled by aim / latency, unless the limit was cut in the last ``settle_s``. TPOT
@@ -59,6 +62,17 @@ class ConcurrencyLimit:
         """The whole number of requests that may run."""
         return max(1, math.floor(self.value + 1e-9))
 
+    def cut(self, in_flight: float, now: float) -> None:
+        """A miss at ``now`` with ``in_flight`` running: cut, at most once per cooldown.
+
+        From the lower of the limit and ``in_flight``, as TCP cuts from the data in flight
+        rather than from its window: a limit the load has not reached holds nothing back, and
+        cutting it alone left the batch as it was.
+        """
+        if now - self._last_cut >= self._cooldown:
+            self.value = max(self.minimum, min(self.value, in_flight) * self._decrease)
+            self._last_cut = now
+
     def on_result(
         self,
         latency: float,
@@ -78,9 +92,7 @@ class ConcurrencyLimit:
         well below it (which on a compute-bound worker gave up throughput for no SLO gain).
         """
         if latency > target:
-            if now - self._last_cut >= self._cooldown:
-                self.value = max(self.minimum, self.value * self._decrease)
-                self._last_cut = now
+            self.cut(in_flight, now)
             return
         if latency > aim:
             return
@@ -91,3 +103,52 @@ class ConcurrencyLimit:
             self.value = min(self.maximum, self.value + 1.0)
         if load is not None and latency > 0 and now - self._last_cut >= self._settle:
             self.value = max(self.value, min(self.maximum, load * aim / latency))
+
+
+class DecodePace:
+    """How fast a worker's running streams advance now: the mean gap between output events.
+
+    A finished stream's TPOT tells the limit about a batch it joined seconds before (a
+    64-token answer at 100 ms per token tells 6.5 s after it started). The gaps between the
+    output events of every stream on the worker tell it within a few seconds, averaged over
+    tens of streams. The window is ``window_s``, about half a short answer's life, because a
+    stream's TPOT is its mean pace over its life: over 1-s windows, prefill stalls of new
+    arrivals pushed single readings over the target while whole streams kept within it, and
+    the cuts cost more requests turned away than the misses they saved. An event may carry
+    several tokens (speculative decoding, stream intervals): gaps are per token at the ratio
+    learnt from finished streams.
+    """
+
+    __slots__ = ("_count", "_min_gaps", "_since", "_sum", "_window", "tokens_per_event")
+
+    def __init__(self, window_s: float = 3.0, min_gaps: int = 20) -> None:
+        self._window = window_s
+        self._min_gaps = min_gaps
+        self._since = -math.inf
+        self._sum = 0.0
+        self._count = 0
+        self.tokens_per_event = 1.0
+
+    def gap(self, seconds: float, now: float) -> float | None:
+        """Add one stream's gap since its previous output event, received at ``now``.
+
+        Returns the mean gap per token over the window that ``now`` closes (at least
+        ``window_s`` long, with at least ``min_gaps`` gaps), else None.
+        """
+        self._sum += seconds
+        self._count += 1
+        if now - self._since < self._window:
+            return None
+        reading = None
+        if self._count >= self._min_gaps and math.isfinite(self._since):
+            reading = self._sum / self._count / self.tokens_per_event
+        self._since = now
+        self._sum = 0.0
+        self._count = 0
+        return reading
+
+    def observe_stream(self, tokens: int, events: int) -> None:
+        """Learn tokens per output event from a finished stream."""
+        if tokens > 1 and events > 1:
+            ratio = max(1.0, (tokens - 1) / (events - 1))
+            self.tokens_per_event += 0.1 * (ratio - self.tokens_per_event)

@@ -117,6 +117,13 @@ class _Attempt:
         )
         deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
 
+    def output_gap(self, deps: RelayDeps, gap: float, at: float) -> None:
+        """A later output event came ``gap`` seconds after the previous one, at ``at``."""
+        worker = self.worker
+        pace = worker.pace.gap(gap, at)
+        if pace is not None:
+            deps.admission.paced(worker, pace, at)
+
     def release(self, deps: RelayDeps, now: float) -> None:
         """The attempt is over at ``now``, whatever its outcome."""
         worker = self.worker
@@ -280,6 +287,8 @@ class Relay(Response):
                         if kind is EventKind.OUTPUT:
                             if not timer.output_events:
                                 attempt.first_output(deps, received)
+                            else:
+                                attempt.output_gap(deps, received - timer.last_output, received)
                             timer.output(received)
                         elif kind is EventKind.USAGE:
                             self._tokens = parse_usage(event) or self._tokens
@@ -422,6 +431,7 @@ class Relay(Response):
                     metrics.worker_completion_tokens.labels(label).inc(tokens[1])
                     deps.sizer.observe(model, self._request.size, tokens[0])
                     deps.pool.record_tokens(attempt.worker, *tokens)
+                    attempt.worker.pace.observe_stream(tokens[1], summary.output_events)
                 load = attempt.decode_load
                 if self._outcome == "ok" and summary.tpot_s is not None and load is not None:
                     attempt.worker.latency.observe_tpot(load, summary.tpot_s)

@@ -75,6 +75,11 @@ class RequestTimer:
         return self._outputs[0] if self._outputs else None
 
     @property
+    def last_output(self) -> float:
+        """When the latest output event arrived (call only once one has)."""
+        return self._outputs[-1]
+
+    @property
     def output_events(self) -> int:
         """How many output events arrived."""
         return len(self._outputs)

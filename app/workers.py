@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from app.discovery import Resolver, discover
-from app.limiter import ConcurrencyLimit
+from app.limiter import ConcurrencyLimit, DecodePace
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import OTHER_MODEL, GatewayMetrics
 from app.predictor import LatencyModel, RecentQuantile, WorkerLoad
@@ -62,6 +62,8 @@ class Worker:
         """How many requests admission lets run here, steered by their measured TPOT."""
         self.prefilling = 0
         """Requests sent here that have not produced their first token yet."""
+        self.pace = DecodePace()
+        """The live gap between output events of its running streams (steers ``limit``)."""
         self.recent_ttft = RecentQuantile(0.8)
         """The 80th percentile of its last times to first token (dispatch to first output)."""
         self.prefill_limit = prefill_limit or ConcurrencyLimit(initial=2, maximum=256)

@@ -21,7 +21,7 @@ from app.errors import (
     TierNotAllowed,
 )
 from app.goodput import GoodputTracker, slo_result
-from app.limiter import ConcurrencyLimit
+from app.limiter import ConcurrencyLimit, DecodePace
 from app.metrics import GatewayMetrics
 from app.predictor import RecentQuantile
 from app.routing import Router
@@ -255,17 +255,56 @@ def test_limit_rises_at_once_to_the_load_its_pace_allows_but_not_right_after_a_c
     limit.on_result(0.05, 0.08, 0.1, 3, 0.1, load=10.0)
     limit.on_result(0.09, 0.08, 0.1, 3, 0.2, load=5.0)
     assert limit.limit == 26
-    # A miss cuts (26.7 x 0.9); for ``settle_s`` after it only +1 steps apply, since the
-    # streams finishing now ran before the cut, and only for a stream that ran at the limit.
+    # A miss with 26 running cuts (26 x 0.9); for ``settle_s`` after it only +1 steps apply,
+    # since the streams finishing now ran before the cut, and only for one that ran at the limit.
     limit.on_result(0.12, 0.08, 0.1, 26, 1.0, load=26.0)
-    assert limit.limit == 24
+    assert limit.limit == 23
     limit.on_result(0.02, 0.08, 0.1, 30, 5.9, load=20.0)
+    assert limit.limit == 23
+    limit.on_result(0.02, 0.08, 0.1, 3, 5.9, load=22.5)
     assert limit.limit == 24
-    limit.on_result(0.02, 0.08, 0.1, 3, 5.9, load=23.5)
-    assert limit.limit == 25
     # Settled: the projection applies again, capped at the maximum.
     limit.on_result(0.02, 0.08, 0.1, 3, 6.0, load=20.0)
     assert limit.limit == 40
+
+
+def test_a_miss_cuts_from_what_runs_when_that_is_below_the_limit() -> None:
+    limit = ConcurrencyLimit(initial=30, maximum=40, cooldown_s=1.0)
+    # 20 running under a limit of 30 missed: cutting 30 to 27 would hold nothing back.
+    limit.cut(20, 0.0)
+    assert limit.limit == 18
+    limit.cut(5, 0.5)  # within the cooldown: the same overload, seen again
+    assert limit.limit == 18
+    limit.cut(30, 1.0)  # more running than the limit (it was just cut): from the limit
+    assert limit.limit == 16
+
+
+def test_decode_pace_reads_the_mean_gap_per_token_once_per_window() -> None:
+    pace = DecodePace(window_s=1.0, min_gaps=4)
+    assert pace.gap(0.05, 0.0) is None  # opens the first window
+    assert [pace.gap(0.05, t) for t in (0.2, 0.4, 0.6)] == [None, None, None]
+    assert pace.gap(0.09, 1.0) == pytest.approx((0.05 * 3 + 0.09) / 4)
+    # Too few gaps in a window (an idle worker) say nothing.
+    assert pace.gap(0.5, 2.5) is None
+    # Two tokens per event (speculative decoding): the same gaps are half as long per token.
+    for _ in range(50):
+        pace.observe_stream(tokens=65, events=33)
+    assert pace.tokens_per_event == pytest.approx(2.0, rel=0.01)
+    for t in (2.7, 2.9, 3.1):
+        pace.gap(0.1, t)
+    assert pace.gap(0.1, 3.6) == pytest.approx(0.05, rel=0.01)
+
+
+async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once() -> None:
+    clock = FakeClock()
+    admission, pool, _, _ = _controller(clock, max_running_per_worker=64)
+    worker = pool.workers["a:1"]
+    worker.limit = ConcurrencyLimit(initial=40, maximum=64)
+    worker.in_flight = 30
+    admission.paced(worker, 0.09, clock.now)  # within the 100 ms target: nothing changes
+    assert admission.cap(worker) == 40
+    admission.paced(worker, 0.11, clock.now)
+    assert admission.cap(worker) == 27  # 30 running x 0.9
 
 
 def test_limit_grows_by_one_only_on_a_stream_that_ran_at_the_limit() -> None:

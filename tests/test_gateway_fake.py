@@ -324,3 +324,30 @@ async def test_models_lists_worker_cards_with_vllm_fields(
     assert models["data"][0]["root"] == MODEL
     assert models["data"][0]["max_model_len"] == 1024
     assert ready.status_code == 200
+
+
+async def test_a_stream_slower_than_the_tpot_target_cuts_its_workers_limit_while_it_runs() -> None:
+    async def slow(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        # 120 ms per token against the strictest (interactive) TPOT target of 100 ms.
+        stream = tokens(40, gap=0.12)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
+
+    def limit(metrics: str) -> float:
+        line = next(
+            x for x in metrics.splitlines() if x.startswith("gateway_worker_concurrency_limit{")
+        )
+        return float(line.rsplit(" ", 1)[1])
+
+    worker = FakeWorker(slow)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            before = limit((await client.get("/metrics")).text)
+            async with client.stream("POST", "/v1/chat/completions", json=_chat()) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith('data: {"id"')
+                    if seen == 36:  # over 3 s of its pace read, and the stream not yet over
+                        break
+                during = limit((await client.get("/metrics")).text)
+    assert before >= 2
+    assert during < before
