@@ -312,8 +312,8 @@ class AdmissionController:
         to first token (:attr:`app.workers.Worker.recent_ttft`): under load a request is
         prefilled behind others. A request dispatched later than this would likely miss its
         target anyway, and would hold a slot for its whole answer that one that can still
-        meet its target could have had (seen: interactive requests dispatched at the last
-        moment of their wait got first tokens 1.0-1.4 s after arriving).
+        meet its target could have had (seen: of 274 interactive requests at 9 req/s, 17 ran
+        and got their first token 1.0-1.4 s after arriving).
         """
         candidates = self._router.candidates(ticket.model)
         return min(
