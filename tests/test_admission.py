@@ -24,7 +24,7 @@ from app.goodput import GoodputTracker, slo_result
 from app.limiter import ConcurrencyLimit, DecodePace
 from app.metrics import GatewayMetrics
 from app.predictor import RecentQuantile
-from app.routing import Router
+from app.routing import Choice, Router
 from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
 from app.workers import Worker, WorkerPool
@@ -397,27 +397,27 @@ async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_
     clock = FakeClock()
     admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)
     worker = pool.workers["a:1"]
-    worker.in_flight = 1
-    for _ in range(10):
-        worker.recent_ttft.observe(0.1)
-    quick = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
-    await asyncio.sleep(0)
+
+    async def queued(recent_ttft: float, waited: float) -> asyncio.Task[tuple[Choice, float]]:
+        """An interactive request queued behind a busy worker, ``waited`` seconds later."""
+        worker.in_flight = 1
+        for _ in range(50):
+            worker.recent_ttft.observe(recent_ttft)
+        task = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
+        await asyncio.sleep(0)
+        clock.now += waited
+        admission._dispatch()
+        return task
+
     # Recent first tokens came 0.1 s after dispatch: up to 0.9 s in the queue can still work.
-    clock.now += 0.6
-    admission._dispatch()
+    quick = await queued(0.1, 0.6)
     assert not quick.done()
     worker.in_flight = 0
     admission._dispatch()
     await quick
     # Now they come 0.6 s after dispatch (prefill behind others): dispatched after 0.4 s in
     # the queue, a request would most likely miss its 1 s target, so it leaves with a 503.
-    worker.in_flight = 1
-    for _ in range(50):
-        worker.recent_ttft.observe(0.6)
-    slow = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
-    await asyncio.sleep(0)
-    clock.now += 0.45
-    admission._dispatch()
+    slow = await queued(0.6, 0.45)
     with pytest.raises(QueueTimeout):
         await asyncio.wait_for(slow, 1.0)
     assert _decisions(metrics, "interactive", "expired") == 1
