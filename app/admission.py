@@ -168,6 +168,7 @@ class AdmissionController:
         limit is cut at once (from what runs there) instead of when the streams that live
         through it end, seconds later (:class:`app.limiter.DecodePace`).
         """
+        self._metrics.worker_decode_pace.labels(worker.label).set(pace_s)
         if self._tpot_target is not None and pace_s > self._tpot_target:
             worker.limit.cut(worker.in_flight, now)
 

@@ -144,6 +144,12 @@ class GatewayMetrics:
             "Most requests admission lets run on the worker (keeps the strictest TPOT target).",
             by_worker, registry=reg,
         )  # fmt: skip
+        self.worker_decode_pace = Gauge(
+            "gateway_worker_decode_pace_seconds",
+            "Mean gap per token between output events of the worker's running streams, over "
+            "the last few seconds (cuts the concurrency limit when over the strictest TPOT).",
+            by_worker, registry=reg,
+        )  # fmt: skip
         self.worker_prefill_limit = Gauge(
             "gateway_worker_prefill_concurrency_limit",
             "Most requests admission lets prefill on the worker at once (keeps TTFT short).",
@@ -223,7 +229,8 @@ class GatewayMetrics:
             self.worker_failovers, self.worker_running, self.worker_waiting, self.worker_kv_cache,
             self.worker_load_age, self.worker_in_flight, self.worker_ttft, self.worker_itl,
             self.worker_completion_tokens, self.worker_roofline, self.worker_bandwidth,
-            self.worker_concurrency_limit, self.worker_prefill_limit, self.worker_prefill_rate,
+            self.worker_concurrency_limit, self.worker_decode_pace, self.worker_prefill_limit,
+            self.worker_prefill_rate,
             self.worker_decode_step, self.worker_decode_per_sequence,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}

@@ -297,7 +297,7 @@ def test_decode_pace_reads_the_mean_gap_per_token_once_per_window() -> None:
 
 async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once() -> None:
     clock = FakeClock()
-    admission, pool, _, _ = _controller(clock, max_running_per_worker=64)
+    admission, pool, metrics, _ = _controller(clock, max_running_per_worker=64)
     worker = pool.workers["a:1"]
     worker.limit = ConcurrencyLimit(initial=40, maximum=64)
     worker.in_flight = 30
@@ -305,6 +305,10 @@ async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once()
     assert admission.cap(worker) == 40
     admission.paced(worker, 0.11, clock.now)
     assert admission.cap(worker) == 27  # 30 running x 0.9
+    pace = metrics.registry.get_sample_value(
+        "gateway_worker_decode_pace_seconds", {"worker": worker.label}
+    )
+    assert pace == pytest.approx(0.11)
 
 
 def test_limit_grows_by_one_only_on_a_stream_that_ran_at_the_limit() -> None:

@@ -332,11 +332,12 @@ async def test_a_stream_slower_than_the_tpot_target_cuts_its_workers_limit_while
         stream = tokens(40, gap=0.12)
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
 
-    def limit(metrics: str) -> float:
-        line = next(
-            x for x in metrics.splitlines() if x.startswith("gateway_worker_concurrency_limit{")
-        )
+    def gauge(metrics: str, name: str) -> float:
+        line = next(x for x in metrics.splitlines() if x.startswith(name + "{"))
         return float(line.rsplit(" ", 1)[1])
+
+    def limit(metrics: str) -> float:
+        return gauge(metrics, "gateway_worker_concurrency_limit")
 
     worker = FakeWorker(slow)
     async with running_gateway(settings_for(WORKER), worker.transport) as url:
@@ -348,6 +349,7 @@ async def test_a_stream_slower_than_the_tpot_target_cuts_its_workers_limit_while
                     seen += line.startswith('data: {"id"')
                     if seen == 36:  # over 3 s of its pace read, and the stream not yet over
                         break
-                during = limit((await client.get("/metrics")).text)
+                metrics = (await client.get("/metrics")).text
     assert before >= 2
-    assert during < before
+    assert limit(metrics) < before
+    assert gauge(metrics, "gateway_worker_decode_pace_seconds") == pytest.approx(0.12, rel=0.25)

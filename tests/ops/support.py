@@ -55,6 +55,7 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_decode_roofline_tokens_per_second": _WORKER,
     "gateway_worker_memory_bandwidth_bytes_per_second": _WORKER,
     "gateway_worker_concurrency_limit": _WORKER,
+    "gateway_worker_decode_pace_seconds": _WORKER,
     "gateway_worker_prefill_concurrency_limit": _WORKER,
     "gateway_worker_prefilling_requests": _WORKER,
     "gateway_worker_prefill_tokens_per_second": _WORKER,
