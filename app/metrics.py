@@ -230,8 +230,7 @@ class GatewayMetrics:
             self.worker_load_age, self.worker_in_flight, self.worker_ttft, self.worker_itl,
             self.worker_completion_tokens, self.worker_roofline, self.worker_bandwidth,
             self.worker_concurrency_limit, self.worker_decode_pace, self.worker_prefill_limit,
-            self.worker_prefill_rate,
-            self.worker_decode_step, self.worker_decode_per_sequence,
+            self.worker_prefill_rate, self.worker_decode_step, self.worker_decode_per_sequence,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}
 
