@@ -15,8 +15,6 @@ from app.metrics import GatewayMetrics
 from app.settings import TierSpec
 from app.timing import Clock, TimingSummary
 
-RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both", "rejected", "errored")
-
 
 def slo_result(tier: TierSpec, timing: TimingSummary, tokens: int | None, stream: bool) -> str:
     """Which of the tier's SLOs a finished request met: ``met`` or the ``missed_*`` kind."""

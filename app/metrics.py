@@ -12,12 +12,14 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from app.loadsignals import LoadSample
+from app.protocol import Endpoint
 from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
 from app.timing import TimingSummary
 
 OTHER_MODEL = "other"
 OUTCOMES = ("ok", "client_cancelled", "upstream_error", "timeout", "rejected", "invalid_request")
 DECISIONS = ("admitted", "queued", "rejected", "shed", "expired", "cancelled")
+RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both", "rejected", "errored")
 
 
 class GatewayMetrics:
@@ -233,6 +235,33 @@ class GatewayMetrics:
             self.worker_prefill_rate, self.worker_decode_step, self.worker_decode_per_sequence,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}
+        self._tiers = tuple(tier.name for tier in settings.tiers)
+        self._models: set[str] = set()
+
+    def start_model(self, model: str) -> None:
+        """Export ``model``'s series at zero, once, when a worker is first seen to serve it.
+
+        rate() counts only increases between scrapes, so a series that first appears with the
+        first burst of a model's requests would show no rate for that burst (the tier-only
+        series start at zero for the same reason). Error series of ``gateway_requests`` are
+        left to appear with their first error: one per outcome and status class would be
+        mostly zeros that never move.
+        """
+        if model in self._models:
+            return
+        self._models.add(model)
+        self.overhead.labels(model)
+        per_tier = (
+            self.prompt_tokens, self.completion_tokens, self.in_flight, self.ttft, self.itl,
+            self.tpot, self.e2e, self.queue, self.goodput_tokens,
+        )  # fmt: skip
+        for tier in self._tiers:
+            for metric in per_tier:
+                metric.labels(model, tier)
+            for endpoint in Endpoint:
+                self.requests.labels(model, tier, endpoint.value, "2xx", "ok")
+            for result in RESULTS:
+                self.slo_requests.labels(model, tier, result)
 
     def observe(self, model: str, tier: str, timing: TimingSummary, stream: bool) -> None:
         """Record a finished request's latencies; ``model`` must already be a bounded label."""

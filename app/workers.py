@@ -158,6 +158,8 @@ class WorkerPool:
             self._metrics.worker_completion_tokens,
         ):
             counter.labels(worker.label)
+        for model in worker.models:
+            self._metrics.start_model(model)
         log.info("worker %s added (%s)", worker.label, spec.base_url)
         return worker
 
@@ -302,6 +304,8 @@ class WorkerPool:
             return
         worker.cards = cards
         worker.models = set(cards) | set(worker.spec.models)
+        for model in worker.models:
+            self._metrics.start_model(model)
         self._set_up(worker, True, None)
 
     async def probe_health(self, worker: Worker) -> None:

@@ -165,6 +165,34 @@ async def test_dns_discovery_adds_and_drains_workers() -> None:
     assert _metric(pool, "gateway_worker_up", "10.0.0.1:8000") is None
 
 
+async def test_a_models_series_are_exported_at_zero_once_a_worker_serves_it() -> None:
+    # Prometheus's rate() sees only increases between two scrapes: a model's series that
+    # first appeared with its first burst of requests would show no rate for that burst.
+    settings = settings_for("http://a:1")
+    models = httpx.Response(200, json={"object": "list", "data": [{"id": "m1"}]})
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: models))
+    pool = WorkerPool(settings, client, GatewayMetrics(settings), FakeClock(), FakeResolver())
+    await pool.rediscover()
+    sample = pool._metrics.registry.get_sample_value
+    interactive = {"model": "m1", "tier": "interactive"}
+    assert sample("gateway_time_to_first_token_seconds_count", interactive) is None
+    await pool.probe_models(next(iter(pool.workers.values())))
+    for tier in settings.tiers:
+        labels = {"model": "m1", "tier": tier.name}
+        for histogram in ("time_to_first_token", "time_per_output_token", "queue_time"):
+            assert sample(f"gateway_{histogram}_seconds_count", labels) == 0
+            assert sample(f"gateway_{histogram}_seconds_bucket", {**labels, "le": "+Inf"}) == 0
+        assert sample("gateway_goodput_tokens_total", labels) == 0
+        assert sample("gateway_completion_tokens_total", labels) == 0
+        for result in ("met", "missed_ttft", "missed_tpot", "missed_both", "rejected", "errored"):
+            assert sample("gateway_slo_requests_total", {**labels, "result": result}) == 0
+        for endpoint in ("chat", "completions"):
+            done = {**labels, "endpoint": endpoint, "status_class": "2xx", "outcome": "ok"}
+            assert sample("gateway_requests_total", done) == 0
+    assert sample("gateway_overhead_seconds_count", {"model": "m1"}) == 0
+    await client.aclose()
+
+
 async def _ok(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=tokens(3))
 
