@@ -802,6 +802,24 @@ def workers() -> Json:
                 ]
             ),
         ),
+        panel(
+            "timeseries",
+            "Decode pace vs TPOT target",
+            "Per token, how fast the worker's running streams advanced over the last few seconds "
+            "(mean gap between their output events), against the strictest TPOT target. Above "
+            "the target, the batch has outgrown it and admission cuts the worker's concurrency "
+            "limit at once, without waiting for the streams to finish.",
+            refs(
+                [
+                    (
+                        f"max by (worker) (gateway_worker_decode_pace_seconds{{{W}}})",
+                        "pace {{worker}}",
+                    ),
+                    ("min(gateway_tier_slo_tpot_seconds)", "TPOT target"),
+                ]
+            ),
+            unit="s",
+        ),
         row("Measured latency per worker"),
         panel(
             "timeseries",
