@@ -109,6 +109,9 @@ class AdmissionController:
         self._ticker: asyncio.Task[None] | None = None
         targets = [t.tpot_slo_s for t in settings.tiers if t.tpot_slo_s is not None]
         self._tpot_target = min(targets) if targets else None
+        self._tpot_aim = (
+            None if self._tpot_target is None else settings.ttft_headroom * self._tpot_target
+        )
         self._ttft_target = min(t.ttft_slo_s for t in settings.tiers)
         self._priorities = {t.name: t.priority for t in settings.tiers}
         self._arrivals: deque[tuple[float, int]] = deque()
@@ -421,11 +424,23 @@ class AdmissionController:
             self._poked = True
             asyncio.get_running_loop().call_soon(self._dispatch)
 
-    def completed(self, tier: str, held_s: float) -> None:
+    def completed(
+        self, tier: str, held_s: float, decode_s: float = 0.0, decoded: float = 0.0
+    ) -> None:
         """A request of ``tier`` left its worker after holding a slot for ``held_s`` seconds.
 
-        Counted for the drain rate and the tier's expected demand; then dispatch.
+        Counted for the drain rate and the tier's expected demand; then dispatch. ``decode_s``
+        of the hold went to ``decoded`` tokens after the first. The hold counted for the
+        tier's demand is at least what it would have been at the TPOT aim: the slots kept for
+        a tier matter when the workers are at their limits, which hold TPOT near the aim, and
+        holds learnt at a lighter load say too little. Seen: holds of ~3.5 s from a warm-up
+        at capacity kept too few slots in the first seconds of a 3x surge; standard requests
+        took 4-9 of them at 3.5-5 s and held them to 9-10 s, while interactive requests,
+        then holding ~5.5 s each, filled every other slot and were turned away.
         """
+        aim = self._tpot_aim
+        if aim is not None and decoded > 0 and decode_s < decoded * aim:
+            held_s += decoded * aim - decode_s
         now = self._clock()
         priority = self._priorities[tier]
         previous = self._held.get(priority)

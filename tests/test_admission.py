@@ -195,6 +195,34 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     assert not admission._full(worker, batch)
 
 
+def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_load() -> None:
+    # Default targets: strictest TPOT 100 ms, aim 80 ms. Interactive arrives at 1/s.
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 40
+    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+    for t in range(10):
+        admission._arrivals.append((clock.now - 9 + t, interactive.priority))
+    # Learnt at a light load: 0.3 s to the first token, then 63 tokens at 40 ms (2.82 s held).
+    # At the aim those tokens take 5.04 s: 5.34 s held. At 1.5/s (3 in the last 2 s) 8.01
+    # slots are expected and ceil(8.01 + 2 x sqrt(8.01)) = 14 are kept: batch stops at 26.
+    # Counting the 2.82 s seen would keep ceil(4.23 + 2 x sqrt(4.23)) = 9 and let it run to 31.
+    admission.completed("interactive", 2.82, decode_s=2.52, decoded=63)
+    assert admission._expected_slots(clock.now)[interactive.priority] == pytest.approx(
+        (0.3 + 63 * 0.08) * 1.5
+    )
+    worker.in_flight = 25
+    assert not admission._full(worker, batch)
+    worker.in_flight = 26
+    assert admission._full(worker, batch)
+    # A stream that decoded slower than the aim counts as it was.
+    admission, _, _, _ = _controller(clock)
+    admission._arrivals.append((clock.now, interactive.priority))
+    admission.completed("interactive", 6.6, decode_s=6.3, decoded=63)
+    assert admission._held[interactive.priority] == pytest.approx(6.6)
+
+
 def test_a_surge_is_read_from_the_shortest_span_with_enough_arrivals() -> None:
     clock = FakeClock()
     admission, _, _, _ = _controller(clock)
