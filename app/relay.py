@@ -74,8 +74,8 @@ class _Attempt:
     """One try of a request on one worker: keeps the worker's load accounting right."""
 
     __slots__ = (
-        "choice", "decode_load", "dispatched", "first", "first_occupancy", "gaps",
-        "own_tokens", "prefill_peers", "tier", "worker",
+        "choice", "decode_load", "dispatched", "first", "first_occupancy", "own_tokens",
+        "prefill_peers", "tier", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -88,7 +88,6 @@ class _Attempt:
         self.dispatched = now
         self.first: float | None = None
         self.first_occupancy = 0.0
-        self.gaps = 0
         self.decode_load: float | None = None
         """Mean requests on the worker from first output to the end, this one included."""
         worker.add_in_flight(1, now)
@@ -121,16 +120,15 @@ class _Attempt:
     def output_gap(self, deps: RelayDeps, gap: float, at: float) -> None:
         """A later output event came ``gap`` seconds after the previous one, at ``at``."""
         worker = self.worker
-        self.gaps += 1
         pace = worker.pace.gap(gap, at)
         if pace is not None:
             deps.admission.paced(worker, pace, at)
 
-    def decoded(self, now: float) -> tuple[float, float]:
-        """``(seconds, tokens)`` of decode after the first output, up to ``now``."""
-        if self.first is None or not self.gaps:
+    def decoded(self, now: float, events: int) -> tuple[float, float]:
+        """``(seconds, tokens)`` of decode after the first of the ``events`` with output."""
+        if self.first is None or events < 2:
             return 0.0, 0.0
-        return now - self.first, self.gaps * self.worker.pace.tokens_per_event
+        return now - self.first, (events - 1) * self.worker.pace.tokens_per_event
 
     def release(self, deps: RelayDeps, now: float) -> None:
         """The attempt is over at ``now``, whatever its outcome."""
@@ -249,7 +247,9 @@ class Relay(Response):
                 now = self._timer.clock()
                 attempt.release(deps, now)
                 deps.admission.completed(
-                    self._tier, now - attempt.dispatched, *attempt.decoded(now)
+                    self._tier,
+                    now - attempt.dispatched,
+                    *attempt.decoded(now, self._timer.output_events),
                 )
 
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
