@@ -17,8 +17,10 @@ from app.auth import Authenticator
 from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
 from app.goodput import GoodputTracker
+from app.limiter import Limits
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
+from app.record import Recorder
 from app.relay import RelayDeps
 from app.routes import router
 from app.routing import Router
@@ -51,9 +53,11 @@ def create_app(
         client = make_client(settings, transport)
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
         router = Router(settings, pool)
-        admission = AdmissionController(settings, pool, router, metrics, clock)
+        limits = Limits(settings, metrics)
+        admission = AdmissionController(settings, router, limits, metrics, clock)
         goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
+        recorder = Recorder(settings, metrics, goodput, auth, sizer, pool, limits)
         try:
             await pool.start(first_wait=settings.connect_timeout_s)
             log.info(
@@ -62,12 +66,20 @@ def create_app(
                 sorted(pool.served_models()), settings.routing,
                 "on" if settings.admission else "off",
             )  # fmt: skip
-            deps = RelayDeps(
-                settings, client, pool, router, metrics, sizer, admission, auth, goodput
-            )
+            deps = RelayDeps(settings, client, pool, router, metrics, admission, recorder)
             yield {
                 STATE_KEY: GatewayState(
-                    settings, client, pool, metrics, clock, router, sizer, auth, goodput, deps
+                    settings,
+                    client,
+                    pool,
+                    metrics,
+                    clock,
+                    router,
+                    sizer,
+                    auth,
+                    goodput,
+                    recorder,
+                    deps,
                 )
             }
         finally:

@@ -155,7 +155,6 @@ class Authenticator:
             raise RateLimited(
                 f"Concurrency limit of {limit} requests reached for this key.",
                 retry_after_s=1.0,
-                code="concurrency_limit_exceeded",
             )
         if key.bucket is not None:
             wait = key.bucket.wait()

@@ -10,6 +10,8 @@ import json
 import math
 from typing import Any, ClassVar
 
+from app.outcome import Outcome, Reason
+
 
 class GatewayError(Exception):
     """Base of every error the gateway reports to a client."""
@@ -17,7 +19,7 @@ class GatewayError(Exception):
     status_code: ClassVar[int] = 500
     error_type: ClassVar[str] = "server_error"
     code: ClassVar[str | None] = None
-    outcome: ClassVar[str] = "upstream_error"
+    outcome: ClassVar[Outcome] = Outcome.UPSTREAM_ERROR
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -52,7 +54,7 @@ class InvalidRequest(GatewayError):
     status_code = 400
     error_type = "invalid_request_error"
     code = "invalid_request"
-    outcome = "invalid_request"
+    outcome = Outcome.INVALID_REQUEST
 
 
 class ModelNotFound(InvalidRequest):
@@ -92,7 +94,7 @@ class UpstreamUnavailable(UpstreamError):
     """No worker for the model could be reached."""
 
     status_code = 503
-    code = "no_worker_available"
+    code = Reason.NO_WORKER.value
 
 
 class UpstreamTimeout(UpstreamError):
@@ -100,14 +102,14 @@ class UpstreamTimeout(UpstreamError):
 
     status_code = 504
     code = "upstream_timeout"
-    outcome = "timeout"
+    outcome = Outcome.TIMEOUT
 
 
 class UpstreamClientError(GatewayError):
     """The worker refused the request (a 4xx): passed to the client with the worker's message."""
 
     error_type = "invalid_request_error"
-    outcome = "invalid_request"
+    outcome = Outcome.INVALID_REQUEST
 
     def __init__(self, status_code: int, body: dict[str, Any]):
         err = body["error"]
@@ -126,7 +128,7 @@ class AuthenticationFailed(GatewayError):
     status_code = 401
     error_type = "invalid_request_error"
     code = "invalid_api_key"
-    outcome = "invalid_request"
+    outcome = Outcome.INVALID_REQUEST
 
 
 class TierNotAllowed(GatewayError):
@@ -135,16 +137,20 @@ class TierNotAllowed(GatewayError):
     status_code = 403
     error_type = "permission_error"
     code = "tier_not_allowed"
-    outcome = "invalid_request"
+    outcome = Outcome.INVALID_REQUEST
 
 
 class _RetryLater(GatewayError):
     """An error that tells the client when to come back (Retry-After, in s and ms)."""
 
-    outcome = "rejected"
+    outcome = Outcome.REJECTED
+    reason: ClassVar[Reason] = Reason.NONE
+    """What admission counts the refusal as (the error's code, unless one is given)."""
 
-    def __init__(self, message: str, retry_after_s: float, *, code: str | None = None):
-        super().__init__(message, code=code)
+    def __init__(self, message: str, retry_after_s: float, *, reason: Reason | None = None):
+        super().__init__(message, code=(reason or self.reason).value)
+        if reason is not None:
+            self.reason = reason  # type: ignore[misc]
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
@@ -157,19 +163,20 @@ class _RetryLater(GatewayError):
 
 
 class RateLimited(_RetryLater):
-    """A key's concurrency or tokens-per-minute limit is reached."""
+    """A key's concurrency or tokens-per-minute limit is reached: the client's own limit."""
 
     status_code = 429
     error_type = "rate_limit_error"
-    code = "rate_limit_exceeded"
+    outcome = Outcome.RATE_LIMITED
+    reason = Reason.KEY_QUOTA
 
 
 class Overloaded(_RetryLater):
-    """Admission control refused the request: it could not meet its SLO now."""
+    """Admission refused the request: it could not meet its SLO now (``reason`` says why)."""
 
     status_code = 429
     error_type = "rate_limit_error"
-    code = "overloaded"
+    reason = Reason.DEADLINE_UNREACHABLE
 
 
 class QueueTimeout(_RetryLater):
@@ -177,7 +184,7 @@ class QueueTimeout(_RetryLater):
 
     status_code = 503
     error_type = "server_error"
-    code = "queue_timeout"
+    reason = Reason.QUEUE_TIMEOUT
 
 
 class Shed(_RetryLater):
@@ -185,7 +192,7 @@ class Shed(_RetryLater):
 
     status_code = 503
     error_type = "server_error"
-    code = "shed"
+    reason = Reason.SHED
 
     def headers(self) -> dict[str, str]:
         """Retry-After plus a header saying the request was shed."""

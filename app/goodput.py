@@ -1,10 +1,20 @@
 """Goodput: requests that met every SLO of their tier, counted live.
 
-A streamed request meets its tier when TTFT <= the TTFT target and TPOT <= the TPOT target (a
-tier without a TPOT target, or a one-token answer, has only the first). A non-streamed request
-has no TTFT of its own; it meets its tier when its whole latency fits the budget the targets
-allow it: TTFT target + TPOT target x (tokens - 1). Rejected and failed requests count against
-goodput; a request whose client went away is not counted at all.
+What counts (the denominator):
+
+* A streamed answer meets its tier when TTFT <= the TTFT target and TPOT <= the TPOT target
+  (a tier without a TPOT target, or a one-token answer, has only the first).
+* A non-streamed answer has no TTFT of its own: it meets its tier when its whole latency fits
+  the budget the targets allow it, TTFT target + TPOT target x (tokens - 1), and misses on
+  that E2E (``missed_e2e``).
+* Turned away by admission (429/503 of the gateway's queue) counts as ``rejected``; a worker's
+  failure or time-out as ``errored``.
+* A client that gave up counts as a miss when its wait had already missed: a stream after its
+  TTFT target passed without a first token (or with a late one), a non-streamed request after
+  its whole budget (for ``max_tokens``, when given) passed. A client that left earlier is not
+  counted: nothing was missed yet.
+* Not counted at all: the client's own mistakes (4xx) and its key's own quota (a key over its
+  limit is the client's limit, not a shortfall of the service).
 """
 
 from __future__ import annotations
@@ -12,24 +22,60 @@ from __future__ import annotations
 from collections import deque
 
 from app.metrics import GatewayMetrics
+from app.outcome import Outcome, SloResult
 from app.settings import TierSpec
 from app.timing import Clock, TimingSummary
 
 
-def slo_result(tier: TierSpec, timing: TimingSummary, tokens: int | None, stream: bool) -> str:
-    """Which of the tier's SLOs a finished request met: ``met`` or the ``missed_*`` kind."""
+def slo_result(
+    tier: TierSpec, timing: TimingSummary, tokens: int | None, stream: bool
+) -> SloResult:
+    """Which of the tier's SLOs an answered request met: ``met`` or the ``missed_*`` kind."""
     if not stream:
         if timing.e2e_s is None:
-            return "errored"
-        budget = tier.ttft_slo_s + (tier.tpot_slo_s or 0.0) * max(0, (tokens or 1) - 1)
-        return "met" if timing.e2e_s <= budget else "missed_ttft"
+            return SloResult.ERRORED
+        return SloResult.MET if timing.e2e_s <= _budget(tier, tokens) else SloResult.MISSED_E2E
     ttft_ok = timing.ttft_s is not None and timing.ttft_s <= tier.ttft_slo_s
     tpot_ok = tier.tpot_slo_s is None or timing.tpot_s is None or timing.tpot_s <= tier.tpot_slo_s
     if ttft_ok and tpot_ok:
-        return "met"
+        return SloResult.MET
     if not ttft_ok and not tpot_ok:
-        return "missed_both"
-    return "missed_tpot" if ttft_ok else "missed_ttft"
+        return SloResult.MISSED_BOTH
+    return SloResult.MISSED_TPOT if ttft_ok else SloResult.MISSED_TTFT
+
+
+def judge(
+    outcome: Outcome,
+    tier: TierSpec,
+    timing: TimingSummary,
+    tokens: int | None,
+    stream: bool,
+    waited_s: float,
+    max_tokens: int | None,
+) -> SloResult | None:
+    """The SLO result a finished request counts as, or None when it does not count.
+
+    ``waited_s`` is arrival to the end, ``max_tokens`` what the client asked for (the budget
+    of a non-streamed request its client gave up on).
+    """
+    if outcome is Outcome.OK:
+        return slo_result(tier, timing, tokens, stream)
+    if outcome is Outcome.REJECTED:
+        return SloResult.REJECTED
+    if outcome in (Outcome.UPSTREAM_ERROR, Outcome.TIMEOUT):
+        return SloResult.ERRORED
+    if outcome is Outcome.CLIENT_CANCELLED:
+        if not stream:
+            return SloResult.MISSED_E2E if waited_s > _budget(tier, max_tokens) else None
+        if timing.ttft_s is not None:
+            return SloResult.MISSED_TTFT if timing.ttft_s > tier.ttft_slo_s else None
+        return SloResult.MISSED_TTFT if waited_s > tier.ttft_slo_s else None
+    return None
+
+
+def _budget(tier: TierSpec, tokens: int | None) -> float:
+    """The latency a whole answer of ``tokens`` may take in ``tier``."""
+    return tier.ttft_slo_s + (tier.tpot_slo_s or 0.0) * max(0, (tokens or 1) - 1)
 
 
 class GoodputTracker:
@@ -51,14 +97,16 @@ class GoodputTracker:
             if tier.tpot_slo_s is not None:
                 metrics.tier_tpot_slo.labels(tier.name).set(tier.tpot_slo_s)
 
-    def record(self, model: str, tier: str, result: str, completion_tokens: int | None) -> None:
+    def record(
+        self, model: str, tier: str, result: SloResult, completion_tokens: int | None
+    ) -> None:
         """Count one request's result."""
         self._metrics.slo_requests.labels(model, tier, result).inc()
-        if result == "met" and completion_tokens:
+        if result is SloResult.MET and completion_tokens:
             self._metrics.goodput_tokens.labels(model, tier).inc(completion_tokens)
         recent = self._recent.get(tier)
         if recent is not None:
-            recent.append((self._clock(), result == "met"))
+            recent.append((self._clock(), result is SloResult.MET))
 
     def ratio(self, tier: str) -> float | None:
         """Share of the tier's requests in the window that met every SLO (None if none)."""

@@ -14,10 +14,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
+_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 _KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, old name
+_CACHE_CONFIG = "vllm:cache_config_info"
 _WANTED = re.compile(
     r"^(?:# (?:HELP|TYPE) )?vllm:(?:num_requests_running|num_requests_waiting|"
-    r"kv_cache_usage_perc|gpu_cache_usage_perc)\b.*$",
+    r"num_requests_waiting_by_reason|kv_cache_usage_perc|gpu_cache_usage_perc|"
+    r"cache_config_info)\b.*$",
     re.MULTILINE,
 )
 
@@ -31,12 +34,21 @@ class LoadSample:
     kv_cache_usage: float
     """Fraction of the KV cache in use, 0..1."""
     at: float
+    capacity_waiting: float | None = None
+    """Of ``waiting``, those held back because the worker is full (its running-sequence cap or
+    its KV cache): vLLM's ``num_requests_waiting_by_reason{reason="capacity"}``. None when the
+    engine does not say (older vLLM): then waiting may be only arrivals not yet scheduled."""
+    kv_tokens: float | None = None
+    """Tokens the worker's KV cache holds (``cache_config_info``'s ``kv_cache_size_tokens``, or
+    ``num_gpu_blocks`` x ``block_size``); None when not exported."""
 
 
 def parse_load(text: str, at: float) -> LoadSample:
     """Sum running and waiting over the page's label sets; take the fullest KV cache."""
     wanted = "\n".join(match.group(0) for match in _WANTED.finditer(text))
     running = waiting = kv = 0.0
+    capacity: float | None = None
+    kv_tokens: float | None = None
     found = False
     for family in text_string_to_metric_families(wanted + "\n"):
         for sample in family.samples:
@@ -45,8 +57,32 @@ def parse_load(text: str, at: float) -> LoadSample:
                 found = True
             elif sample.name == _WAITING:
                 waiting += sample.value
+            elif sample.name == _WAITING_BY_REASON:
+                if sample.labels.get("reason") == "capacity":
+                    capacity = (capacity or 0.0) + sample.value
             elif sample.name in _KV_CACHE:
                 kv = max(kv, sample.value)
+            elif sample.name == _CACHE_CONFIG:
+                kv_tokens = _add(kv_tokens, _kv_tokens(sample.labels))
     if not found:
         raise ValueError(f"no {_RUNNING} on the page: not a vLLM worker?")
-    return LoadSample(running, waiting, kv, at)
+    return LoadSample(running, waiting, kv, at, capacity, kv_tokens)
+
+
+def _kv_tokens(labels: dict[str, str]) -> float | None:
+    """An engine's KV-cache size in tokens, from its ``cache_config_info`` labels."""
+    try:
+        return float(labels["kv_cache_size_tokens"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        return float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _add(total: float | None, value: float | None) -> float | None:
+    """Sum over engines (data-parallel ranks each export their own cache)."""
+    if value is None:
+        return total
+    return value if total is None else total + value

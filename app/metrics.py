@@ -12,14 +12,12 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from app.loadsignals import LoadSample
+from app.outcome import DECISION_REASONS, Decision, Reason, SloResult
 from app.protocol import Endpoint
 from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
 from app.timing import TimingSummary
 
 OTHER_MODEL = "other"
-OUTCOMES = ("ok", "client_cancelled", "upstream_error", "timeout", "rejected", "invalid_request")
-DECISIONS = ("admitted", "queued", "rejected", "shed", "expired", "cancelled")
-RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both", "rejected", "errored")
 
 
 class GatewayMetrics:
@@ -180,8 +178,9 @@ class GatewayMetrics:
         by_tier_only = ["tier"]
         self.admission_decisions = Counter(
             "gateway_admission_decisions",
-            "Admission decisions: admitted, queued, rejected, shed, expired, cancelled.",
-            ["tier", "decision"], registry=reg,
+            "Admission decisions (admitted, queued, rejected, shed, expired, cancelled) and, for "
+            "those that turn a request away, why.",
+            ["tier", "decision", "reason"], registry=reg,
         )  # fmt: skip
         self.queue_depth = Gauge(
             "gateway_queue_depth", "Requests waiting in the admission queue.", by_tier_only,
@@ -198,8 +197,8 @@ class GatewayMetrics:
         )  # fmt: skip
         self.slo_requests = Counter(
             "gateway_slo_requests",
-            "Requests by SLO result: met, missed_ttft, missed_tpot, missed_both, rejected, "
-            "errored.",
+            "Requests by SLO result: met, missed_ttft, missed_tpot, missed_both, missed_e2e, "
+            "rejected, errored.",
             ["model", "tier", "result"], registry=reg,
         )  # fmt: skip
         self.goodput_tokens = Counter(
@@ -224,8 +223,9 @@ class GatewayMetrics:
             self.queue_depth.labels(tier.name).set(0)
             self.queue_wait.labels(tier.name)
             self.prediction_error.labels(tier.name)
-            for decision in DECISIONS:
-                self.admission_decisions.labels(tier.name, decision)
+            for decision, reasons in DECISION_REASONS.items():
+                for reason in reasons:
+                    self.admission_decisions.labels(tier.name, decision, reason)
         self._worker_metrics = (
             self.worker_up, self.worker_ejected, self.worker_ejections, self.worker_routed,
             self.worker_failovers, self.worker_running, self.worker_waiting, self.worker_kv_cache,
@@ -260,8 +260,12 @@ class GatewayMetrics:
                 metric.labels(model, tier)
             for endpoint in Endpoint:
                 self.requests.labels(model, tier, endpoint.value, "2xx", "ok")
-            for result in RESULTS:
+            for result in SloResult:
                 self.slo_requests.labels(model, tier, result)
+
+    def decide(self, tier: str, decision: Decision, reason: Reason = Reason.NONE) -> None:
+        """Count one admission decision."""
+        self.admission_decisions.labels(tier, decision, reason).inc()
 
     def observe(self, model: str, tier: str, timing: TimingSummary, stream: bool) -> None:
         """Record a finished request's latencies; ``model`` must already be a bounded label."""

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from app.admission import AdmissionController, Ticket
-from app.auth import Authenticator, Identity
+from app.auth import Identity
 from app.errors import (
     GatewayError,
     UpstreamClientError,
@@ -33,18 +33,19 @@ from app.errors import (
     UpstreamTimeout,
     error_body,
 )
-from app.goodput import GoodputTracker, slo_result
+from app.lease import Lease
 from app.metrics import GatewayMetrics
-from app.predictor import PromptSizer
+from app.outcome import Outcome
 from app.protocol import ParsedRequest
+from app.record import Recorder, RequestEnd
 from app.routing import Choice, Router
-from app.settings import Settings, TierSpec
+from app.settings import Settings
 from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
-from app.timing import RequestTimer, TimingSummary
+from app.timing import RequestTimer
 from app.upstream import open_response
 from app.workers import WorkerPool
 
-log = logging.getLogger("app.access")
+log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the answer was complete
 
@@ -64,83 +65,8 @@ class RelayDeps:
     pool: WorkerPool
     router: Router
     metrics: GatewayMetrics
-    sizer: PromptSizer
     admission: AdmissionController
-    auth: Authenticator
-    goodput: GoodputTracker
-
-
-class _Attempt:
-    """One try of a request on one worker: keeps the worker's load accounting right."""
-
-    __slots__ = (
-        "choice", "decode_load", "dispatched", "first", "first_occupancy", "own_tokens",
-        "prefill_peers", "tier", "worker",
-    )  # fmt: skip
-
-    def __init__(
-        self, deps: RelayDeps, choice: Choice, own_tokens: float, now: float, tier: str
-    ) -> None:
-        self.choice = choice
-        self.tier = tier
-        self.worker = worker = choice.worker
-        self.own_tokens = own_tokens
-        self.dispatched = now
-        self.first: float | None = None
-        self.first_occupancy = 0.0
-        self.decode_load: float | None = None
-        """Mean requests on the worker from first output to the end, this one included."""
-        worker.add_in_flight(1, now)
-        worker.tier_in_flight[tier] += 1
-        worker.prefilling += 1
-        self.prefill_peers = worker.prefilling
-        worker.prefill_tokens_ahead += own_tokens
-        deps.metrics.worker_routed.labels(worker.label).inc()
-        deps.metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
-
-    def first_output(self, deps: RelayDeps, at: float) -> None:
-        """The worker produced its first output (or its whole answer): prefill is over."""
-        if self.first is not None:
-            return
-        self.first = at
-        worker = self.worker
-        self.first_occupancy = worker.occupancy(at)
-        worker.prefill_tokens_ahead -= self.own_tokens
-        worker.prefilling -= 1
-        deps.pool.report_success(worker)
-        ttft = at - self.dispatched
-        worker.latency.observe_ttft(self.choice.prefill_work, ttft)
-        worker.recent_ttft.observe(ttft)
-        deps.metrics.worker_ttft.labels(worker.label).observe(ttft)
-        deps.metrics.prediction_error.labels(self.tier).observe(
-            abs(ttft - self.choice.predicted_ttft_s)
-        )
-        deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
-
-    def output_gap(self, deps: RelayDeps, gap: float, at: float) -> None:
-        """A later output event came ``gap`` seconds after the previous one, at ``at``."""
-        worker = self.worker
-        pace = worker.pace.gap(gap, at)
-        if pace is not None:
-            deps.admission.paced(worker, pace, at)
-
-    def decoded(self, now: float, events: int) -> tuple[float, float]:
-        """``(seconds, tokens)`` of decode after the first of the ``events`` with output."""
-        if self.first is None or events < 2:
-            return 0.0, 0.0
-        return now - self.first, (events - 1) * self.worker.pace.tokens_per_event
-
-    def release(self, deps: RelayDeps, now: float) -> None:
-        """The attempt is over at ``now``, whatever its outcome."""
-        worker = self.worker
-        if self.first is not None and now > self.first:
-            self.decode_load = (worker.occupancy(now) - self.first_occupancy) / (now - self.first)
-        worker.add_in_flight(-1, now)
-        worker.tier_in_flight[self.tier] -= 1
-        if self.first is None:
-            worker.prefill_tokens_ahead -= self.own_tokens
-            worker.prefilling -= 1
-        deps.metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
+    recorder: Recorder
 
 
 @dataclass(slots=True)
@@ -170,40 +96,46 @@ class Relay(Response):
         self._tier = ctx.identity.tier.name
         self._model_label = deps.pool.model_label(ctx.request.model)
         self._status = 200
-        self._outcome = "ok"
+        self._outcome = Outcome.OK
         self._started = False
         self._tokens: tuple[int, int] | None = None
         self._end: float | None = None
-        self._attempt: _Attempt | None = None
+        self._lease: Lease | None = None
         self._queued_s = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve the request, cancelling the worker request if the client disconnects."""
+        """Serve the request, cancelling the worker request if the client disconnects.
+
+        The request and the disconnect watcher run in one task group: however the request
+        ends (done, client gone, server cancelling it), both are finished and its lease is
+        released before the end is recorded.
+        """
         in_flight = self._deps.metrics.in_flight.labels(self._model_label, self._tier)
         in_flight.inc()
-        relay = asyncio.ensure_future(self._serve(send))
-        watcher = asyncio.ensure_future(_client_gone(receive))
         try:
-            await asyncio.wait((relay, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not relay.done():
-                self._client_closed()
-                relay.cancel()
-                await asyncio.wait((relay,))
-            if relay.cancelled():
-                pass
-            elif isinstance(relay.exception(), OSError):
-                # The client vanished while we were writing to it.
-                self._client_closed()
-            else:
-                relay.result()
+            async with asyncio.TaskGroup() as group:
+                relay = group.create_task(self._serve(send))
+                watcher = group.create_task(self._watch(receive, relay))
+                relay.add_done_callback(lambda _: watcher.cancel())
+        except* OSError:
+            # The client vanished while we were writing to it.
+            self._client_closed()
         finally:
-            relay.cancel()
-            watcher.cancel()
             in_flight.dec()
             self._finish()
 
+    async def _watch(self, receive: Receive, relay: asyncio.Task[None]) -> None:
+        """Wait for the client to disconnect; then stop the request."""
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if not relay.done():
+            self._client_closed()
+            relay.cancel()
+
     def _client_closed(self) -> None:
-        self._status, self._outcome = CLIENT_CLOSED, "client_cancelled"
+        self._status, self._outcome = CLIENT_CLOSED, Outcome.CLIENT_CANCELLED
 
     async def _serve(self, send: Send) -> None:
         """Wait for admission, then try workers until one answers.
@@ -212,24 +144,23 @@ class Relay(Response):
         """
         deps, ticket = self._deps, self._ctx.ticket
         try:
-            choice, self._queued_s = await deps.admission.admit(ticket)
+            lease, self._queued_s = await deps.admission.admit(ticket)
         except GatewayError as error:
             await self._fail(send, error, None)
             return
         self._timer.queued(self._queued_s)
-        tried = {choice.worker.label}
+        tried = {lease.worker.label}
         once = self._stream_once if self._request.stream else self._unary_once
         while True:
-            attempt = _Attempt(deps, choice, ticket.own_tokens, self._timer.clock(), self._tier)
-            self._attempt = attempt
+            self._lease = lease
             try:
-                await once(send, attempt)
+                await once(send, lease)
                 return
             except UpstreamClientError as error:
                 await self._fail(send, error, None)
                 return
             except GatewayError as error:
-                deps.pool.report_failure(attempt.worker, error.code or "error")
+                deps.pool.report_failure(lease.worker, error.code or "error")
                 retry = None
                 if not self._started and len(tried) < deps.settings.max_attempts:
                     retry = self._next_choice(frozenset(tried))
@@ -238,19 +169,20 @@ class Relay(Response):
                     return
                 log.warning(
                     "request %s failing over from worker %s to %s: %s",
-                    self._request_id, attempt.worker.label, retry.worker.label, error.message,
+                    self._request_id, lease.worker.label, retry.worker.label, error.message,
                 )  # fmt: skip
-                deps.metrics.worker_failovers.labels(attempt.worker.label).inc()
-                choice = retry
-                tried.add(choice.worker.label)
+                deps.metrics.worker_failovers.labels(lease.worker.label).inc()
+                lease = deps.admission.lease(retry, ticket)
+                tried.add(lease.worker.label)
             finally:
-                now = self._timer.clock()
-                attempt.release(deps, now)
-                deps.admission.completed(
-                    self._tier,
-                    now - attempt.dispatched,
-                    *attempt.decoded(now, self._timer.output_events),
-                )
+                self._release(self._lease)
+
+    def _release(self, lease: Lease) -> None:
+        now = self._timer.clock()
+        if lease.release(now):
+            self._deps.admission.completed(
+                self._tier, now - lease.dispatched, *lease.decoded(now, self._timer.output_events)
+            )
 
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
         ticket = self._ctx.ticket
@@ -261,7 +193,29 @@ class Relay(Response):
         except GatewayError:
             return None
 
-    async def _stream_once(self, send: Send, attempt: _Attempt) -> None:
+    def _first_output(self, lease: Lease, at: float) -> None:
+        """The worker produced its first output (or its whole answer): prefill is over."""
+        if not lease.first_output(at):
+            return
+        deps, worker = self._deps, lease.worker
+        deps.pool.report_success(worker)
+        ttft = at - lease.dispatched
+        worker.latency.observe_ttft(lease.choice.prefill_work, ttft)
+        worker.recent_ttft.observe(ttft)
+        deps.metrics.worker_ttft.labels(worker.label).observe(ttft)
+        deps.metrics.prediction_error.labels(self._tier).observe(
+            abs(ttft - lease.choice.predicted_ttft_s)
+        )
+        deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
+
+    def _output_gap(self, lease: Lease, gap: float, at: float) -> None:
+        """A later output event came ``gap`` seconds after the previous one, at ``at``."""
+        worker = lease.worker
+        pace = worker.pace.gap(gap, at)
+        if pace is not None:
+            self._deps.admission.limits.paced(worker, pace, at)
+
+    async def _stream_once(self, send: Send, lease: Lease) -> None:
         deps, timer, request = self._deps, self._timer, self._request
         settings = deps.settings
         loop = asyncio.get_running_loop()
@@ -275,13 +229,13 @@ class Relay(Response):
         idle = settings.idle_timeout_s
         keep_usage = request.wants_usage
         splitter = EventSplitter()
-        worker = attempt.worker
+        worker = lease.worker
         upstream: httpx.Response | None = None
         done = False
         self._tokens = None
         try:
             async with asyncio.timeout_at(_earliest(deadline_at, total_at)) as deadline:
-                timer.dispatch()
+                lease.dispatched = timer.dispatch()
                 upstream = await open_response(
                     deps.client, worker, request.endpoint.path, self._upstream_body,
                     self._request_id,
@@ -296,9 +250,9 @@ class Relay(Response):
                         kind = classify(event)
                         if kind is EventKind.OUTPUT:
                             if not timer.output_events:
-                                attempt.first_output(deps, received)
+                                self._first_output(lease, received)
                             else:
-                                attempt.output_gap(deps, received - timer.last_output, received)
+                                self._output_gap(lease, received - timer.last_output, received)
                             timer.output(received)
                         elif kind is EventKind.USAGE:
                             self._tokens = parse_usage(event) or self._tokens
@@ -307,7 +261,7 @@ class Relay(Response):
                         elif kind is EventKind.DONE:
                             done = True
                         elif kind is EventKind.ERROR:
-                            self._status, self._outcome = 502, "upstream_error"
+                            self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
                         out.append(event)
                     if out:
                         if not self._started:
@@ -333,9 +287,9 @@ class Relay(Response):
                 await upstream.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _unary_once(self, send: Send, attempt: _Attempt) -> None:
+    async def _unary_once(self, send: Send, lease: Lease) -> None:
         deps, timer = self._deps, self._timer
-        worker = attempt.worker
+        worker = lease.worker
         timeout = deps.settings.nonstream_timeout_s
         if deps.settings.request_timeout_s is not None:
             timeout = min(
@@ -344,7 +298,7 @@ class Relay(Response):
         upstream: httpx.Response | None = None
         try:
             async with asyncio.timeout(timeout):
-                timer.dispatch()
+                lease.dispatched = timer.dispatch()
                 upstream = await open_response(
                     deps.client, worker, self._request.endpoint.path, self._upstream_body,
                     self._request_id,
@@ -366,7 +320,7 @@ class Relay(Response):
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} sent a response that is not JSON."
             ) from exc
-        attempt.first_output(deps, self._end)
+        self._first_output(lease, self._end)
         self._tokens = usage_counts(payload)
         content_type = upstream.headers.get("content-type", "application/json").encode()
         await self._start(send, upstream.status_code, [(b"content-type", content_type)])
@@ -395,7 +349,7 @@ class Relay(Response):
     async def _fail(self, send: Send, error: GatewayError, cause: BaseException | None) -> None:
         """Report ``error``: as the response if nothing was sent yet, else in-band."""
         self._outcome = error.outcome
-        worker = self._attempt.worker.label if self._attempt else "-"
+        worker = self._lease.worker.label if self._lease else "-"
         if not isinstance(error, UpstreamClientError):
             log.warning(
                 "request %s to worker %s failed: %s (%s)",
@@ -417,89 +371,34 @@ class Relay(Response):
         await send({"type": "http.response.body", "body": event, "more_body": False})
 
     def _finish(self) -> None:
-        deps, ctx = self._deps, self._ctx
-        tokens = self._tokens
-        summary = self._timer.summary(None if tokens is None else tokens[1], end=self._end)
-        model = self._model_label
-        endpoint = self._request.endpoint.value
-        metrics = deps.metrics
-        metrics.count(model, self._tier, endpoint, self._status, self._outcome, tokens)
-        deps.auth.release(ctx.identity, ctx.charged_tokens, None if tokens is None else sum(tokens))
-        attempt = self._attempt
-        if self._outcome != "client_cancelled":
-            result = _slo_result(self._outcome, ctx.identity.tier, summary, tokens, ctx.request)
-            if result is not None:
-                deps.goodput.record(model, self._tier, result, tokens[1] if tokens else None)
-        if self._outcome in ("ok", "client_cancelled"):
-            metrics.observe(model, self._tier, summary, self._request.stream)
-            if attempt is not None:
-                label = attempt.worker.label
-                worker_itl = metrics.worker_itl.labels(label)
-                for gap in summary.itl_s:
-                    worker_itl.observe(gap)
-                if tokens is not None:
-                    metrics.worker_completion_tokens.labels(label).inc(tokens[1])
-                    deps.sizer.observe(model, self._request.size, tokens[0])
-                    deps.pool.record_tokens(attempt.worker, *tokens)
-                    attempt.worker.pace.observe_stream(tokens[1], summary.output_events)
-                load = attempt.decode_load
-                if self._outcome == "ok" and summary.tpot_s is not None and load is not None:
-                    attempt.worker.latency.observe_tpot(load, summary.tpot_s)
-                if self._outcome == "ok" and self._request.stream:
-                    worker_ttft = (
-                        None if attempt.first is None else attempt.first - attempt.dispatched
-                    )
-                    deps.admission.learn(
-                        attempt.worker, worker_ttft, summary.tpot_s, attempt.prefill_peers, load
-                    )
-        if deps.settings.access_log:
-            log.info(
-                "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "
-                "tpot_ms=%s e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s",
-                self._request_id, endpoint, model, self._tier,
-                attempt.worker.label if attempt else "-", self._status, self._outcome,
-                _ms(summary.queue_s), _ms(summary.ttft_s), _ms(summary.tpot_s),
-                _ms(summary.e2e_s), summary.output_events,
-                *(tokens if tokens is not None else (None, None)),
-            )  # fmt: skip
-
-
-def _slo_result(
-    outcome: str,
-    tier: TierSpec,
-    summary: TimingSummary,
-    tokens: tuple[int, int] | None,
-    request: ParsedRequest,
-) -> str | None:
-    if outcome == "ok":
-        return slo_result(tier, summary, tokens[1] if tokens else None, request.stream)
-    if outcome == "rejected":
-        return "rejected"
-    if outcome in ("upstream_error", "timeout"):
-        return "errored"
-    return None  # the client's own mistake: no SLO applies
+        ctx, timer, tokens = self._ctx, self._timer, self._tokens
+        summary = timer.summary(None if tokens is None else tokens[1], end=self._end)
+        end = RequestEnd(
+            request_id=self._request_id,
+            endpoint=self._request.endpoint.value,
+            model=self._model_label,
+            tier=ctx.identity.tier,
+            status=self._status,
+            outcome=self._outcome,
+            timing=summary,
+            waited_s=timer.clock() - timer.arrival,
+            tokens=tokens,
+            request=self._request,
+            identity=ctx.identity,
+            charged_tokens=ctx.charged_tokens,
+            lease=self._lease,
+        )
+        self._deps.recorder.finish(end)
 
 
 def _earliest(a: float, b: float | None) -> float:
     return a if b is None or a < b else b
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
-
-
 def _describe(exc: BaseException | None) -> str:
     if exc is None:
         return "no cause"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-async def _client_gone(receive: Receive) -> None:
-    """Return when the client disconnects (the body was read already)."""
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def error_response(error: GatewayError) -> Response:

@@ -15,6 +15,7 @@ from app.admission import Ticket
 from app.body import read_body
 from app.errors import GatewayError
 from app.protocol import Endpoint, ParsedRequest, parse_request
+from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
@@ -56,10 +57,13 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         charged = own_tokens + float(parsed.max_tokens or 0)
         state.auth.acquire(identity, charged)
     except GatewayError as exc:
-        label = state.pool.model_label(model)
-        state.metrics.count(label, tier, endpoint.value, exc.status_code, exc.outcome, None)
-        if exc.outcome == "rejected":
-            state.goodput.record(label, tier, "rejected", None)
+        summary = timer.summary(None)
+        end = RequestEnd(
+            request_id, endpoint.value, state.pool.model_label(model),
+            state.auth.tiers[tier], exc.status_code, exc.outcome, summary,
+            timer.clock() - timer.arrival,
+        )  # fmt: skip
+        state.recorder.refused(end, exc)
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
         return response
@@ -102,7 +106,7 @@ async def readyz(state: State) -> JSONResponse:
 async def metrics(state: State) -> PlainTextResponse:
     """Prometheus exposition of the gateway's metrics."""
     state.pool.export()
-    state.relay_deps.admission.export()
+    state.relay_deps.admission.limits.export(state.pool)
     state.goodput.export()
     return PlainTextResponse(
         generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST

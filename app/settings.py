@@ -231,11 +231,26 @@ class Settings(BaseSettings):
     max_running_per_worker: int = Field(
         default=256, ge=1, description="Hard cap on a worker's concurrent requests."
     )
-    initial_running_per_worker: int = Field(
-        default=8,
+    initial_running_per_worker: int | None = Field(
+        default=None,
         ge=1,
-        description="Concurrency limit a new worker starts with; it then follows the measured "
-        "TPOT and TTFT (up while within the targets, down when over).",
+        description="Concurrency limit a new worker starts with; unset, the hard cap. It comes "
+        "down only on evidence: TPOT or the worker's TTFT over target, or the worker holding "
+        "requests back for capacity.",
+    )
+    saturation_waiting: float = Field(
+        default=1.0,
+        gt=0,
+        description="A worker holding back this many requests for capacity "
+        "(vllm:num_requests_waiting_by_reason) is saturated: no more are sent to it, and its "
+        "limit becomes what it runs.",
+    )
+    saturation_kv_cache: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="A worker whose KV cache is this full is saturated: no more are sent to it "
+        "until it drains.",
     )
     hardware: Hardware | None = Field(
         default=None,

@@ -11,6 +11,7 @@ from app.auth import Authenticator
 from app.goodput import GoodputTracker
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
+from app.record import Recorder
 from app.relay import RelayDeps
 from app.routing import Router
 from app.settings import Settings
@@ -31,6 +32,7 @@ class GatewayState:
     sizer: PromptSizer
     auth: Authenticator
     goodput: GoodputTracker
+    recorder: Recorder
     relay_deps: RelayDeps
 
 

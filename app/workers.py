@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -58,7 +59,7 @@ class Worker:
         self.last_ejected: float | None = None
         self.load: LoadSample | None = None
         self.latency = LatencyModel()
-        self.limit = limit or ConcurrencyLimit(initial=8, maximum=256)
+        self.limit = limit or ConcurrencyLimit(initial=256, maximum=256)
         """How many requests admission lets run here, steered by their measured TPOT."""
         self.prefilling = 0
         """Requests sent here that have not produced their first token yet."""
@@ -66,10 +67,12 @@ class Worker:
         """The live gap between output events of its running streams (steers ``limit``)."""
         self.recent_ttft = RecentQuantile(0.8)
         """The 80th percentile of its last times to first token (dispatch to first output)."""
-        self.prefill_limit = prefill_limit or ConcurrencyLimit(initial=2, maximum=256)
+        self.prefill_limit = prefill_limit or ConcurrencyLimit(initial=256, maximum=256)
         """How many may be prefilling at once, steered by their measured time to first token."""
         self.context_tokens = 0.0
         """Running average of prompt + completion tokens per request (for the roofline)."""
+        self.own_at_scrape = 0
+        """``in_flight`` when ``load`` was read: the rest of what it counted is others'."""
         self._busy: set[str] = set()
         self._occupancy = 0.0
         self._occupancy_at = 0.0
@@ -86,6 +89,38 @@ class Worker:
         self._occupancy = self.occupancy(now)
         self._occupancy_at = now
         self.in_flight += delta
+
+    def others(self, now: float, max_age: float) -> float:
+        """Requests on the worker that are not this gateway's, from a fresh load sample.
+
+        Running and waiting as the worker counted them, less what this gateway had in flight
+        then: other replicas' requests. Requests this gateway dispatched or finished since are
+        in ``in_flight`` already, so ``in_flight + others`` is the scrape plus the credit of
+        what changed since (a stale scrape cannot over-admit).
+        """
+        sample = self.load
+        if sample is None or now - sample.at > max_age:
+            return 0.0
+        return max(0.0, sample.running + sample.waiting - self.own_at_scrape)
+
+    def saturated(self, now: float, max_age: float, waiting: float, kv_cache: float) -> bool:
+        """Whether the worker says it is full (fresh figures only).
+
+        ``waiting`` or more requests held back for capacity, or its KV cache at least
+        ``kv_cache`` used.
+        """
+        sample = self.load
+        if sample is None or now - sample.at > max_age:
+            return False
+        held = sample.capacity_waiting
+        return (held is not None and held >= waiting) or sample.kv_cache_usage >= kv_cache
+
+    def kv_fit(self) -> float:
+        """How many requests of the typical size (prompt + answer) the KV cache holds."""
+        sample = self.load
+        if sample is None or sample.kv_tokens is None or self.context_tokens <= 0:
+            return math.inf
+        return sample.kv_tokens / self.context_tokens
 
     @property
     def discovered(self) -> bool:
@@ -142,10 +177,12 @@ class WorkerPool:
 
     def _add(self, spec: WorkerSpec) -> Worker:
         settings = self.settings
-        limit = ConcurrencyLimit(
-            initial=settings.initial_running_per_worker, maximum=settings.max_running_per_worker
-        )
-        prefill_limit = ConcurrencyLimit(initial=2, maximum=settings.max_running_per_worker)
+        most = settings.max_running_per_worker
+        # Both limits start at what a worker can run at most and come down only on evidence
+        # (latency over target, or the worker holding requests back): a low start turned
+        # away bursts an idle worker would have served.
+        limit = ConcurrencyLimit(initial=settings.initial_running_per_worker or most, maximum=most)
+        prefill_limit = ConcurrencyLimit(initial=most, maximum=most)
         worker = Worker(spec, limit, prefill_limit)
         self.workers[worker.label] = worker
         self._metrics.worker_up.labels(worker.label).set(0)
@@ -323,12 +360,18 @@ class WorkerPool:
     async def scrape_load(self, worker: Worker) -> None:
         """Read the worker's load from its ``/metrics``."""
         timeout = max(self.settings.load_interval_s, 0.25)
+        own = worker.in_flight
         try:
             response = await self._get(worker, "/metrics", timeout)
             sample = parse_load(response.text, self._clock())
         except (httpx.HTTPError, ValueError):
             return  # the sample ages and counts as busy; health is the probe's business
         worker.load = sample
+        worker.own_at_scrape = min(own, worker.in_flight)
+        held = sample.capacity_waiting
+        if held is not None and held >= self.settings.saturation_waiting:
+            # The worker runs all it can and queues the rest: its limit is what it runs.
+            worker.limit.hold(sample.running, sample.at)
         self._metrics.record_load(worker.label, sample)
 
     def _set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -21,10 +22,12 @@ from app.errors import (
     TierNotAllowed,
 )
 from app.goodput import GoodputTracker, slo_result
-from app.limiter import ConcurrencyLimit, DecodePace
+from app.lease import Lease
+from app.limiter import ConcurrencyLimit, DecodePace, Limits
 from app.metrics import GatewayMetrics
+from app.outcome import DECISION_REASONS, SloResult
 from app.predictor import RecentQuantile
-from app.routing import Choice, Router
+from app.routing import Router
 from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
 from app.workers import Worker, WorkerPool
@@ -58,7 +61,8 @@ def _controller(
     worker.cards = {MODEL: {"id": MODEL}}
     load_fresh(worker, clock)
     router = Router(settings, pool)
-    return AdmissionController(settings, pool, router, metrics, clock), pool, metrics, settings
+    limits = Limits(settings, metrics)
+    return AdmissionController(settings, router, limits, metrics, clock), pool, metrics, settings
 
 
 def load_fresh(worker: object, clock: FakeClock) -> None:
@@ -75,53 +79,70 @@ def _ticket(settings: Settings, clock: FakeClock, tier: str, tokens: float = 10)
     return Ticket(_tier(settings, tier), MODEL, tokens, None, clock.now)
 
 
-def _decisions(metrics: GatewayMetrics, tier: str, decision: str) -> float:
-    value = metrics.registry.get_sample_value(
-        "gateway_admission_decisions_total", {"tier": tier, "decision": decision}
-    )
-    return value or 0.0
+def _decisions(
+    metrics: GatewayMetrics, tier: str, decision: str, reason: str | None = None
+) -> float:
+    """Decisions of ``tier``, of every reason unless one is given."""
+    total = 0.0
+    for metric in metrics.registry.collect():
+        for sample in metric.samples:
+            labels = sample.labels
+            if (
+                sample.name == "gateway_admission_decisions_total"
+                and labels["tier"] == tier
+                and labels["decision"] == decision
+                and reason in (None, labels["reason"])
+            ):
+                total += sample.value
+    return total
+
+
+def _arrive(admission: AdmissionController, arrivals: Iterable[tuple[float, int]]) -> None:
+    for at, priority in arrivals:
+        admission.demand.arrived(priority, at)
 
 
 async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency() -> None:
     clock = FakeClock()
     admission, pool, metrics, settings = _controller(clock, initial_running_per_worker=8)
     worker = pool.workers["a:1"]
+    worker.prefill_limit = ConcurrencyLimit(initial=2, maximum=256)
     choice, waited = await admission.admit(_ticket(settings, clock, "interactive"))
     assert choice.worker is worker
     assert waited == 0.0
-    assert admission.cap(worker) == 8
+    assert admission.limits.cap(worker) == 8
     # Streams within the TPOT target (50 ms <= 0.8 x 100 ms) while the limit was binding: +1.
     worker.in_flight = 7
     for _ in range(4):
-        admission.learn(worker, None, 0.05, 1)
-        worker.in_flight = admission.cap(worker) - 1
-    assert admission.cap(worker) == 12
+        admission.limits.learn(worker, None, 0.05, 1, clock.now)
+        worker.in_flight = admission.limits.cap(worker) - 1
+    assert admission.limits.cap(worker) == 12
     # Not binding (few requests running): no evidence that more would fit, no change.
     worker.in_flight = 2
-    admission.learn(worker, None, 0.05, 1)
-    assert admission.cap(worker) == 12
+    admission.limits.learn(worker, None, 0.05, 1, clock.now)
+    assert admission.limits.cap(worker) == 12
     # Over the aim but within the 100 ms target, while binding: no change either way.
     worker.in_flight = 11
-    admission.learn(worker, None, 0.09, 1)
-    assert admission.cap(worker) == 12
+    admission.limits.learn(worker, None, 0.09, 1, clock.now)
+    assert admission.limits.cap(worker) == 12
     # Over the target: one cut by 10%, then none until a second has passed.
-    admission.learn(worker, None, 0.12, 1)
-    assert admission.cap(worker) == 10
-    admission.learn(worker, None, 0.12, 1)
-    assert admission.cap(worker) == 10
+    admission.limits.learn(worker, None, 0.12, 1, clock.now)
+    assert admission.limits.cap(worker) == 10
+    admission.limits.learn(worker, None, 0.12, 1, clock.now)
+    assert admission.limits.cap(worker) == 10
     # The prefill limit follows the worker's TTFT against half the strictest TTFT target
     # (aim 0.8 x 1 s / 2): quick first tokens while it was binding raise it, one over the
     # 0.5 s target cuts it, one in between changes nothing.
-    assert admission.prefill_cap(worker) == 2
-    admission.learn(worker, 0.2, None, 2)
-    admission.learn(worker, 0.2, None, 3)
-    assert admission.prefill_cap(worker) == 4
+    assert admission.limits.prefill_cap(worker) == 2
+    admission.limits.learn(worker, 0.2, None, 2, clock.now)
+    admission.limits.learn(worker, 0.2, None, 3, clock.now)
+    assert admission.limits.prefill_cap(worker) == 4
     clock.now += 1.0
-    admission.learn(worker, 0.45, None, 4)
-    assert admission.prefill_cap(worker) == 4
-    admission.learn(worker, 0.6, None, 4)
-    assert admission.prefill_cap(worker) == 3
-    assert admission.cap(worker) == 10
+    admission.limits.learn(worker, 0.45, None, 4, clock.now)
+    assert admission.limits.prefill_cap(worker) == 4
+    admission.limits.learn(worker, 0.6, None, 4, clock.now)
+    assert admission.limits.prefill_cap(worker) == 3
+    assert admission.limits.cap(worker) == 10
     # A worker at its prefill limit takes no more requests, though it has running slots.
     worker.in_flight, worker.prefilling = 3, 3
     assert admission._full(worker)
@@ -141,7 +162,7 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     worker.in_flight = worker.prefilling = 0
     # The hard cap bounds it.
     capped, pool2, _, _ = _controller(clock, max_running_per_worker=3)
-    assert capped.cap(pool2.workers["a:1"]) == 3
+    assert capped.limits.cap(pool2.workers["a:1"]) == 3
     assert _decisions(metrics, "interactive", "admitted") == 1
 
 
@@ -162,7 +183,7 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     # expected, + 2 x sqrt(6) -> 11 slots kept: batch and standard stop at 20 - 11 = 9.
     admission.completed("interactive", 4.0)
     for t in range(10):
-        admission._arrivals.append((clock.now - 9 + t, interactive.priority))
+        admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     for tier in (batch, standard):
         worker.in_flight = 8
         assert not admission._full(worker, tier)
@@ -183,7 +204,7 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     assert admission._full(worker, batch, workers=2)
     # A surge (9 more in the last instant) is seen at once: 6/s x 4 s = 24 expected, more than
     # the worker has; a lower tier only gets the last slot of an otherwise empty worker.
-    admission._arrivals.extend((clock.now, interactive.priority) for _ in range(9))
+    _arrive(admission, [(clock.now, interactive.priority) for _ in range(9)])
     clock.now += 0.01
     worker.in_flight = 0
     assert not admission._full(worker, batch)
@@ -203,13 +224,13 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     worker.limit.value = 40
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     for t in range(10):
-        admission._arrivals.append((clock.now - 9 + t, interactive.priority))
+        admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     # Learnt at a light load: 0.3 s to the first token, then 63 tokens at 40 ms (2.82 s held).
     # At the aim those tokens take 5.04 s: 5.34 s held. At 1.5/s (3 in the last 2 s) 8.01
     # slots are expected and ceil(8.01 + 2 x sqrt(8.01)) = 14 are kept: batch stops at 26.
     # Counting the 2.82 s seen would keep ceil(4.23 + 2 x sqrt(4.23)) = 9 and let it run to 31.
     admission.completed("interactive", 2.82, decode_s=2.52, decoded=63)
-    assert admission._expected_slots(clock.now)[interactive.priority] == pytest.approx(
+    assert admission.demand.expected_slots(clock.now)[interactive.priority] == pytest.approx(
         (0.3 + 63 * 0.08) * 1.5
     )
     worker.in_flight = 25
@@ -218,9 +239,9 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     assert admission._full(worker, batch)
     # A stream that decoded slower than the aim counts as it was.
     admission, _, _, _ = _controller(clock)
-    admission._arrivals.append((clock.now, interactive.priority))
+    admission.demand.arrived(interactive.priority, clock.now)
     admission.completed("interactive", 6.6, decode_s=6.3, decoded=63)
-    assert admission._held[interactive.priority] == pytest.approx(6.6)
+    assert admission.demand._held[interactive.priority] == pytest.approx(6.6)
 
 
 def test_a_surge_is_read_from_the_shortest_span_with_enough_arrivals() -> None:
@@ -231,16 +252,16 @@ def test_a_surge_is_read_from_the_shortest_span_with_enough_arrivals() -> None:
     # A trickle: one arrival a second for 10 s reads as 1/s (one or two in a short span is
     # not a rate).
     for t in range(10):
-        admission._arrivals.append((clock.now - 9.5 + t, top))
-    assert admission._expected_slots(clock.now)[top] == pytest.approx(10 / 9.5 * 4)
+        admission.demand.arrived(top, clock.now - 9.5 + t)
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(10 / 9.5 * 4)
     # Three more within 0.2 s: the last half second says 6/s, so 24 slots are expected at
     # once (the last second, 4 arrivals, says only 4/s).
     clock.now += 0.3
-    admission._arrivals.extend((clock.now - 0.3 + 0.1 * i, top) for i in range(3))
-    assert admission._expected_slots(clock.now)[top] == pytest.approx(3 / 0.5 * 4)
+    _arrive(admission, [(clock.now - 0.3 + 0.1 * i, top) for i in range(3)])
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(3 / 0.5 * 4)
     # A second later the last second is empty; the last 2 s hold 4: 2/s.
     clock.now += 1.0
-    assert admission._expected_slots(clock.now)[top] == pytest.approx(4 / 2.0 * 4)
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(4 / 2.0 * 4)
 
 
 def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -> None:
@@ -251,15 +272,15 @@ def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -
     # Ten quiet seconds: one top and two middle arrivals a second; top is a third of them.
     for t in range(10):
         at = clock.now - 9.6 + t
-        admission._arrivals.extend([(at, top), (at, middle), (at + 0.25, middle)])
-    assert admission._expected_slots(clock.now)[top] == pytest.approx(10 / 9.6 * 4)
+        _arrive(admission, [(at, top), (at, middle), (at + 0.25, middle)])
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(10 / 9.6 * 4)
     # Every tier surges: 9 arrivals in the last 0.3 s, only two of them top. Two alone say
     # nothing, but all nine say 18/s, of which the top tier's part is its share of the 10-s
     # window's arrivals, 12 of 39: 18 x 12 / 39 per second, each holding 4 s.
     clock.now += 0.3
     surge = [top, middle, middle, middle, top, middle, middle, middle, middle]
-    admission._arrivals.extend((clock.now - 0.3 + 0.03 * i, p) for i, p in enumerate(surge))
-    assert admission._expected_slots(clock.now)[top] == pytest.approx(9 / 0.5 * 12 / 39 * 4)
+    _arrive(admission, [(clock.now - 0.3 + 0.03 * i, p) for i, p in enumerate(surge)])
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(9 / 0.5 * 12 / 39 * 4)
 
 
 def test_concurrency_limit_never_leaves_its_bounds() -> None:
@@ -285,7 +306,7 @@ def test_limit_rises_at_once_to_the_load_its_pace_allows_but_not_right_after_a_c
     assert limit.limit == 26
     # A miss with 26 running cuts (26 x 0.9); for ``settle_s`` after it only +1 steps apply,
     # since the streams finishing now ran before the cut, and only for one that ran at the limit.
-    limit.on_result(0.12, 0.08, 0.1, 26, 1.0, load=26.0)
+    limit.on_result(0.105, 0.08, 0.1, 26, 1.0, load=26.0)
     assert limit.limit == 23
     limit.on_result(0.02, 0.08, 0.1, 30, 5.9, load=20.0)
     assert limit.limit == 23
@@ -329,10 +350,10 @@ async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once()
     worker = pool.workers["a:1"]
     worker.limit = ConcurrencyLimit(initial=40, maximum=64)
     worker.in_flight = 30
-    admission.paced(worker, 0.09, clock.now)  # within the 100 ms target: nothing changes
-    assert admission.cap(worker) == 40
-    admission.paced(worker, 0.11, clock.now)
-    assert admission.cap(worker) == 27  # 30 running x 0.9
+    admission.limits.paced(worker, 0.09, clock.now)  # within the 100 ms target: nothing changes
+    assert admission.limits.cap(worker) == 40
+    admission.limits.paced(worker, 0.11, clock.now)
+    assert admission.limits.cap(worker) == 27  # 30 running x 0.9
     pace = metrics.registry.get_sample_value(
         "gateway_worker_decode_pace_seconds", {"worker": worker.label}
     )
@@ -341,7 +362,7 @@ async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once()
 
 def test_limit_grows_by_one_only_on_a_stream_that_ran_at_the_limit() -> None:
     limit = ConcurrencyLimit(initial=20, maximum=40, settle_s=5.0)
-    limit.on_result(0.12, 0.08, 0.1, 20, 0.0, load=20.0)  # a cut: 18, and no projection
+    limit.on_result(0.105, 0.08, 0.1, 20, 0.0, load=20.0)  # a cut: 18, and no projection
     # A surge: the worker is at its limit now, but the stream finishing decoded beside 9
     # others on average; its pace says nothing about 18, so the limit stays.
     limit.on_result(0.075, 0.08, 0.1, 18, 1.0, load=9.0)
@@ -373,11 +394,12 @@ async def test_full_worker_queues_by_tier_then_deadline_and_dispatches_when_free
     worker = pool.workers["a:1"]
     worker.in_flight = 1  # the only slot is taken
     order: list[str] = []
+    leases: list[Lease] = []
 
     async def run(name: str, tier: str) -> None:
-        await admission.admit(_ticket(settings, clock, tier))
+        lease, _ = await admission.admit(_ticket(settings, clock, tier))
         order.append(name)
-        worker.in_flight += 1  # what the relay's attempt does
+        leases.append(lease)  # it holds the slot until released
 
     tasks = []
     for name, tier in [("b1", "batch"), ("s1", "standard"), ("i1", "interactive"),
@@ -387,14 +409,18 @@ async def test_full_worker_queues_by_tier_then_deadline_and_dispatches_when_free
         clock.now += 0.01
     await asyncio.sleep(0)
     assert metrics.registry.get_sample_value("gateway_queue_depth", {"tier": "standard"}) == 2
+    worker.in_flight = 0  # the request that held the slot ends
+    admission.completed("batch", 1.0)
     for _ in range(4):
-        worker.in_flight -= 1
+        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)
+        assert worker.in_flight == 1  # one at a time
+        leases[-1].release(clock.now)
         admission.completed("batch", 1.0)
-        await asyncio.sleep(0.001)
-        await asyncio.sleep(0.001)
     await asyncio.gather(*tasks)
     assert order == ["i1", "s1", "s2", "b1"]
     assert _decisions(metrics, "batch", "queued") == 1
+    assert worker.in_flight == worker.prefilling == 0
 
 
 async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> None:
@@ -418,6 +444,7 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     assert _decisions(metrics, "batch", "queued") == 1
     interactive, _ = await admission.admit(_ticket(settings, clock, "interactive"))
     assert interactive.worker is pool.workers["a:1"]
+    interactive.release(clock.now)
     clock.now += 2.5  # the shortage is over: the batch request runs
     admission._dispatch()
     choice, waited = await batch
@@ -430,7 +457,7 @@ async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_
     admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)
     worker = pool.workers["a:1"]
 
-    async def queued(recent_ttft: float, waited: float) -> asyncio.Task[tuple[Choice, float]]:
+    async def queued(recent_ttft: float, waited: float) -> asyncio.Task[tuple[Lease, float]]:
         """An interactive request queued behind a busy worker, ``waited`` seconds later."""
         worker.in_flight = 1
         for _ in range(50):
@@ -481,17 +508,17 @@ async def test_a_request_that_cannot_meet_its_ttft_even_by_waiting_is_rejected_4
     await admission.admit(_ticket(settings, clock, "batch", tokens=50_000))
 
 
-async def test_retry_after_follows_the_observed_drain_rate() -> None:
+async def test_retry_after_follows_the_drain_rate_measured_while_requests_queue() -> None:
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock, max_running_per_worker=1)
     pool.workers["a:1"].in_flight = 1
-    for _ in range(21):  # 2 requests/s leave the worker
-        admission.completed("batch", 1.0)
-        clock.now += 0.5
-    assert admission.drain_rate() == pytest.approx(2.0, rel=0.1)
     queued = [asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
               for _ in range(5)]  # fmt: skip
     await asyncio.sleep(0)
+    for _ in range(21):  # 2 requests/s leave the full worker while the batch requests wait
+        admission.completed("batch", 1.0)
+        clock.now += 0.5
+    assert admission.drain.rate(clock.now) == pytest.approx(2.0, rel=0.1)
     # An interactive request that must be rejected has the 5 batch requests behind it, not
     # ahead: Retry-After ~ 1 / 2 per s.
     assert admission._retry_after(_ticket(settings, clock, "interactive")) == pytest.approx(0.5)
@@ -505,11 +532,22 @@ async def test_retry_after_follows_the_observed_drain_rate() -> None:
     with pytest.raises(Overloaded) as caught:
         await admission.admit(_ticket(settings, clock, "interactive"))
     assert caught.value.status_code == 429
+    assert caught.value.code == "deadline_unreachable"
     assert caught.value.headers()["retry-after-ms"] == "1000"
     queued.append(first)
     for task in queued:
         task.cancel()
     await asyncio.gather(*queued, return_exceptions=True)
+
+
+async def test_completions_while_nothing_queues_say_nothing_of_the_drain_rate() -> None:
+    """Sequential traffic finishes as fast as it arrives: that is no capacity figure."""
+    clock = FakeClock()
+    admission, _, _, _ = _controller(clock)
+    for _ in range(64):
+        admission.completed("standard", 0.3)
+        clock.now += 0.1
+    assert admission.drain.rate(clock.now) == 0.0
 
 
 async def test_full_queue_sheds_sheddable_work_and_cancelled_requests_leave() -> None:
@@ -557,9 +595,10 @@ def test_every_tiers_admission_series_is_exported_at_zero_before_its_first_reque
         assert sample("gateway_queue_wait_seconds_bucket", {**labels, "le": "+Inf"}) == 0
         assert sample("gateway_ttft_prediction_error_seconds_count", labels) == 0
         assert sample("gateway_queue_depth", labels) == 0
-        for decision in ("admitted", "queued", "rejected", "shed", "expired", "cancelled"):
-            decided = {**labels, "decision": decision}
-            assert sample("gateway_admission_decisions_total", decided) == 0
+        for decision, reasons in DECISION_REASONS.items():
+            for reason in reasons:
+                decided = {**labels, "decision": decision, "reason": reason}
+                assert sample("gateway_admission_decisions_total", decided) == 0
 
 
 def _key(secret: str) -> str:
@@ -607,7 +646,7 @@ def test_per_key_concurrency_and_tokens_per_minute() -> None:
     auth.acquire(me, 100)
     with pytest.raises(RateLimited) as caught:
         auth.acquire(me, 100)
-    assert caught.value.code == "concurrency_limit_exceeded"
+    assert caught.value.code == "key_quota"
     auth.release(me, 100, 100)
     auth.release(me, 100, 800)  # used far more than estimated: 700 more tokens owed
     # 600 - 200 - 700 = -300 tokens: at 10 tokens/s the key is out of debt in ~30 s.
@@ -648,14 +687,14 @@ def test_slo_results_and_goodput_ratio() -> None:
     assert slo_result(batch, timing(30, 5.0), 10, True) == "met"  # batch has no TPOT target
     # Non-streamed: 1 s + 9 x 0.1 s budget.
     assert slo_result(interactive, timing(0, None, e2e=1.8), 10, False) == "met"
-    assert slo_result(interactive, timing(0, None, e2e=2.0), 10, False) == "missed_ttft"
+    assert slo_result(interactive, timing(0, None, e2e=2.0), 10, False) == "missed_e2e"
     metrics = GatewayMetrics(settings)
     tracker = GoodputTracker(metrics, settings.tiers, clock, window_s=60)
     for result in ("met", "met", "met", "missed_ttft", "rejected"):
-        tracker.record(MODEL, "interactive", result, 10)
+        tracker.record(MODEL, "interactive", SloResult(result), 10)
     assert tracker.ratio("interactive") == pytest.approx(0.6)
     clock.now += 61
-    tracker.record(MODEL, "interactive", "met", 10)
+    tracker.record(MODEL, "interactive", SloResult.MET, 10)
     assert tracker.ratio("interactive") == 1.0
     tracker.export()
     sample = metrics.registry.get_sample_value

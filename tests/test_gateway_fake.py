@@ -267,7 +267,7 @@ async def test_unreachable_worker_is_a_503_and_not_ready() -> None:
     async with running_gateway(settings) as url, httpx.AsyncClient(base_url=url) as client:
         r = await client.post("/v1/chat/completions", json=_chat())
         assert r.status_code == 503
-        assert r.json()["error"]["code"] == "no_worker_available"
+        assert r.json()["error"]["code"] == "no_worker"
         ready = await client.get("/readyz")
         assert ready.status_code == 503
         assert (await client.get("/healthz")).status_code == 200

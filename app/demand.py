@@ -1,0 +1,140 @@
+"""What each tier is expected to need: the running slots a lower tier must leave free.
+
+Requests cannot be preempted, so a slot handed to a lower tier stays taken until its request
+finishes. A lower tier therefore leaves free the slots the tiers above it are expected to need:
+Little's law over their recent arrivals and how long one of their requests holds a slot. And
+for a short while after a higher tier had a request turned away, lower tiers wait.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+
+from app.settings import TierSpec
+from app.timing import Clock
+
+# The window over which higher tiers' arrival rates set the capacity kept for them.
+_ACTIVE_S = 10.0
+# Recent spans whose arrival rate counts when it is higher than the window's: a surge is read
+# within half a second instead of over two, while the slots handed to lower tiers meanwhile
+# would stay taken until their requests finish.
+_SURGE_SPANS_S = (0.5, 1.0, 2.0)
+# The fewest arrivals in a surge span that say anything (one alone is no rate).
+_SURGE_MIN_ARRIVALS = 3
+# The shortest span arrival rates are measured over (fewer arrivals say too little).
+_MIN_SPAN_S = 1.0
+# Weight of a finished request in the running average of how long a tier's requests hold a slot.
+_HELD_WEIGHT = 0.1
+# How long lower tiers yield after a higher tier had a request turned away.
+_SHORTAGE_S = 2.0
+_NOT_COMPUTED: tuple[float, dict[int, float]] = (-math.inf, {})
+
+
+class TierDemand:
+    """Per tier priority: recent arrivals, how long a request holds a slot, recent shortages."""
+
+    def __init__(self, clock: Clock, tpot_aim: float | None) -> None:
+        self._clock = clock
+        self._tpot_aim = tpot_aim
+        self._arrivals: deque[tuple[float, int]] = deque()
+        self._held: dict[int, float] = {}
+        self._short_until: dict[int, float] = {}
+        self._expected: tuple[float, dict[int, float]] = _NOT_COMPUTED
+
+    def arrived(self, priority: int, now: float) -> None:
+        """A request of tier ``priority`` arrived at ``now``."""
+        self._arrivals.append((now, priority))
+        self._expected = _NOT_COMPUTED
+
+    def held(self, priority: int, held_s: float, decode_s: float, decoded: float) -> None:
+        """A request of tier ``priority`` left its worker after holding a slot ``held_s``.
+
+        ``decode_s`` of the hold went to ``decoded`` tokens after the first. The hold counted
+        is at least what it would have been at the TPOT aim: the slots kept for a tier matter
+        when the workers are at their limits, which hold TPOT near the aim, and holds learnt at
+        a lighter load (a warm-up, the first seconds of a surge) kept too few.
+        """
+        aim = self._tpot_aim
+        if aim is not None and decoded > 0 and decode_s < decoded * aim:
+            held_s += decoded * aim - decode_s
+        previous = self._held.get(priority)
+        self._held[priority] = (
+            held_s if previous is None else previous + _HELD_WEIGHT * (held_s - previous)
+        )
+        self._expected = _NOT_COMPUTED
+
+    def short(self, priority: int, now: float) -> None:
+        """Tier ``priority`` had a request turned away: lower tiers yield for a while."""
+        self._short_until[priority] = now + _SHORTAGE_S
+
+    def yields(self, tier: TierSpec, now: float) -> bool:
+        """Whether ``tier`` must leave free capacity to a higher tier that is short of it."""
+        return any(
+            until > now for priority, until in self._short_until.items() if priority < tier.priority
+        )
+
+    def _recent(self, now: float) -> deque[tuple[float, int]]:
+        since = now - _ACTIVE_S
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] < since:
+            arrivals.popleft()
+        return arrivals
+
+    def expected_slots(self, now: float) -> dict[int, float]:
+        """Per tier priority, how many running slots its requests are expected to hold.
+
+        Little's law: arrival rate x how long one of its requests holds a slot. The rate is the
+        largest of the last ``_ACTIVE_S`` seconds' (over the span actually observed, at least
+        ``_MIN_SPAN_S``) and of each of the last ``_SURGE_SPANS_S`` (those with at least
+        ``_SURGE_MIN_ARRIVALS`` arrivals of the tier, or of all tiers together, shared out by
+        the tier's part of the window's arrivals): the long window alone would read the first
+        seconds of a surge as the trickle before it. Computed once per ``now`` (a dispatch pass
+        asks for every queued request and every worker) and again after an arrival or a
+        completion.
+        """
+        if self._expected[0] == now:
+            return self._expected[1]
+        recent = self._recent(now)
+        expected: dict[int, float] = {}
+        if recent:
+            span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - recent[0][0]))
+            counts = Counter(p for _, p in recent)
+            rates = {p: n / span for p, n in counts.items()}
+            shares = {p: n / len(recent) for p, n in counts.items()}
+            for window in _SURGE_SPANS_S:
+                latest: Counter[int] = Counter()
+                for at, priority in reversed(recent):
+                    if at < now - window:
+                        break
+                    latest[priority] += 1
+                for priority, count in latest.items():
+                    if count >= _SURGE_MIN_ARRIVALS:
+                        rates[priority] = max(rates[priority], count / window)
+                # All tiers' arrivals, shared out by each tier's part of the window: a surge of
+                # every tier shows in the total three times sooner than in a 30% tier's own.
+                pooled = sum(latest.values())
+                if pooled >= _SURGE_MIN_ARRIVALS:
+                    for priority, share in shares.items():
+                        rates[priority] = max(rates[priority], pooled / window * share)
+            fallback = max(self._held.values(), default=0.0)
+            for priority, rate in rates.items():
+                expected[priority] = rate * self._held.get(priority, fallback)
+        self._expected = (now, expected)
+        return expected
+
+    def kept_for_higher(self, tier: TierSpec, workers: int, running_above: int, now: float) -> int:
+        """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.
+
+        Zero when no tier above had requests in the last ``_ACTIVE_S`` seconds, else at least
+        one. What the tiers above are expected to hold (:meth:`expected_slots`), spread over
+        ``workers``, plus two standard deviations (Poisson arrivals) for their bursts, less
+        ``running_above``, what they hold on this worker now: their next requests then start at
+        once instead of waiting for a lower tier's request to finish.
+        """
+        higher = [v for p, v in self.expected_slots(now).items() if p < tier.priority]
+        if not higher:
+            return 0
+        expected = sum(higher) / max(workers, 1)
+        needed = math.ceil(expected + 2 * math.sqrt(expected))
+        return max(1, needed - running_above)

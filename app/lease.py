@@ -1,0 +1,81 @@
+"""A request's hold on one worker: the one place a worker's load counters change.
+
+Admission takes a lease when it dispatches a request (so the next decision, in the same pass,
+already sees the slot taken), the relay marks the first output on it (the prefill is over) and
+releases it when the attempt ends, whatever the outcome. A failover releases one lease and
+takes another on the next worker.
+"""
+
+from __future__ import annotations
+
+from app.metrics import GatewayMetrics
+from app.routing import Choice
+
+
+class Lease:
+    """One attempt's slot on ``choice.worker``: in flight, prefilling, tokens ahead, per tier."""
+
+    __slots__ = (
+        "_metrics", "choice", "decode_load", "dispatched", "first", "first_occupancy",
+        "own_tokens", "prefill_peers", "released", "tier", "worker",
+    )  # fmt: skip
+
+    def __init__(
+        self, choice: Choice, tier: str, own_tokens: float, now: float, metrics: GatewayMetrics
+    ) -> None:
+        self.choice = choice
+        self.worker = worker = choice.worker
+        self.tier = tier
+        self.own_tokens = own_tokens
+        self.dispatched = now
+        """When the request left for the worker (the relay moves it to the actual send)."""
+        self.first: float | None = None
+        self.first_occupancy = 0.0
+        self.decode_load: float | None = None
+        """Mean requests on the worker from first output to the end, this one included."""
+        self.released = False
+        self._metrics = metrics
+        worker.add_in_flight(1, now)
+        worker.tier_in_flight[tier] += 1
+        worker.prefilling += 1
+        worker.prefill_tokens_ahead += own_tokens
+        self.prefill_peers = worker.prefilling
+        """How many were prefilling on the worker when this one joined, itself included."""
+        metrics.worker_routed.labels(worker.label).inc()
+        metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
+
+    def first_output(self, at: float) -> bool:
+        """The worker produced its first output (or its whole answer) at ``at``.
+
+        Returns False if that was known already.
+        """
+        if self.first is not None or self.released:
+            return False
+        self.first = at
+        worker = self.worker
+        self.first_occupancy = worker.occupancy(at)
+        worker.prefill_tokens_ahead -= self.own_tokens
+        worker.prefilling -= 1
+        return True
+
+    def decoded(self, now: float, events: int) -> tuple[float, float]:
+        """``(seconds, tokens)`` of decode after the first of the ``events`` with output."""
+        if self.first is None or events < 2:
+            return 0.0, 0.0
+        return now - self.first, (events - 1) * self.worker.pace.tokens_per_event
+
+    def release(self, now: float) -> bool:
+        """The attempt is over at ``now``; False if it was released already."""
+        if self.released:
+            return False
+        self.released = True
+        worker = self.worker
+        if self.first is not None and now > self.first:
+            self.decode_load = (worker.occupancy(now) - self.first_occupancy) / (now - self.first)
+        worker.add_in_flight(-1, now)
+        worker.tier_in_flight[self.tier] -= 1
+        if self.first is None:
+            worker.prefill_tokens_ahead -= self.own_tokens
+            worker.prefilling -= 1
+        self._metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
+        return True

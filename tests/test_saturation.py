@@ -1,0 +1,212 @@
+"""Below saturation admission changes nothing; at saturation it acts on the worker's own word.
+
+Fake clock, no network: the worker's load is set as a scrape would set it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.errors import Overloaded, QueueTimeout, Shed
+from app.goodput import judge
+from app.lease import Lease
+from app.loadsignals import LoadSample, parse_load
+from app.metrics import GatewayMetrics
+from app.outcome import Outcome, SloResult
+from app.settings import TierSpec
+from app.timing import TimingSummary
+from app.workers import WorkerPool
+from tests.fake_upstream import MODEL
+from tests.servers import settings_for
+from tests.test_admission import FakeClock, NoDns, _controller, _decisions, _ticket, _tier
+
+SAMPLES = Path(__file__).parent / "data" / "vllm_samples"
+
+
+def test_the_workers_capacity_signals_are_read_from_its_metrics_page() -> None:
+    sample = parse_load((SAMPLES / "metrics_busy.txt").read_text(), at=1.0)
+    assert sample.running == 1
+    assert sample.waiting == 0
+    assert sample.capacity_waiting == 0
+    # cache_config_info's kv_cache_size_tokens: 16384 blocks of 128 tokens.
+    assert sample.kv_tokens == 16384 * 128
+
+
+async def test_a_cold_burst_of_64_on_an_idle_worker_is_all_admitted_at_once() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock)
+    tiers = ("interactive", "standard", "batch")
+    results = await asyncio.gather(
+        *(admission.admit(_ticket(settings, clock, tiers[i % 3], 300)) for i in range(64))
+    )
+    assert [waited for _, waited in results] == [0.0] * 64
+    assert pool.workers["a:1"].in_flight == 64
+    for tier in tiers:
+        assert _decisions(metrics, tier, "queued") == 0
+        assert _decisions(metrics, tier, "rejected") == 0
+
+
+async def test_sequential_traffic_teaches_no_limit_that_turns_away_the_next_burst() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    for _ in range(64):  # one at a time: 20 ms to the first token, 32 tokens at 10 ms
+        lease, waited = await admission.admit(_ticket(settings, clock, "standard", 300))
+        assert waited == 0.0
+        clock.now += 0.02
+        lease.first_output(clock.now)
+        clock.now += 0.31
+        lease.release(clock.now)
+        admission.limits.learn(worker, 0.02, 0.01, 1, clock.now, lease.decode_load)
+        admission.completed("standard", 0.33, 0.31, 31)
+        clock.now += 0.01
+    assert admission.limits.cap(worker) >= 64
+    results = await asyncio.gather(
+        *(admission.admit(_ticket(settings, clock, "standard", 300)) for _ in range(32))
+    )
+    assert [waited for _, waited in results] == [0.0] * 32
+    assert _decisions(metrics, "standard", "rejected") == 0
+    assert _decisions(metrics, "standard", "queued") == 0
+
+
+async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock, max_queue_length=2)
+    worker = pool.workers["a:1"]
+    # The worker holds 5 requests back for capacity, and its first tokens come late.
+    worker.load = LoadSample(10, 5, 0.3, clock.now, capacity_waiting=5)
+    for _ in range(50):
+        worker.recent_ttft.observe(0.7)
+    batch = asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
+    standard = asyncio.create_task(admission.admit(_ticket(settings, clock, "standard")))
+    await asyncio.sleep(0)
+    assert not batch.done()
+    assert not standard.done()
+    # The queue is full: an interactive request takes the sheddable batch request's place.
+    interactive = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
+    await asyncio.sleep(0)
+    with pytest.raises(Shed) as shed:
+        await batch
+    assert shed.value.code == "shed"
+    assert _decisions(metrics, "batch", "shed", "shed") == 1
+    # Nothing sheddable is left: the next standard request is told at once why.
+    with pytest.raises(Overloaded) as full:
+        await admission.admit(_ticket(settings, clock, "standard"))
+    assert full.value.code == "queue_full"
+    assert _decisions(metrics, "standard", "rejected", "queue_full") == 1
+    # Its deadline leaves 0.7 s for the first token: the interactive request expires.
+    clock.now += 0.31
+    admission._dispatch()
+    with pytest.raises(QueueTimeout) as expired:
+        await interactive
+    assert expired.value.code == "queue_timeout"
+    assert _decisions(metrics, "interactive", "expired", "queue_timeout") == 1
+    # The worker stops holding requests back; interactive was short of capacity 2 s ago, so
+    # lower tiers have let it go first until now: the standard request runs.
+    clock.now += 2.0
+    worker.load = LoadSample(4, 0, 0.1, clock.now, capacity_waiting=0)
+    admission._dispatch()
+    lease, waited = await standard
+    assert lease.worker is worker
+    assert waited == pytest.approx(2.31)
+
+
+async def test_a_prompt_too_long_for_its_tier_is_refused_with_that_reason() -> None:
+    clock = FakeClock()
+    admission, _, metrics, settings = _controller(clock)
+    with pytest.raises(Overloaded) as caught:
+        await admission.admit(_ticket(settings, clock, "interactive", 50_000))
+    assert caught.value.code == "prompt_too_long"
+    assert _decisions(metrics, "interactive", "rejected", "prompt_too_long") == 1
+
+
+async def test_other_replicas_requests_and_the_kv_cache_count_against_the_limit() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 24
+    # Scraped with 4 of ours in flight: 30 running, so 26 are other replicas'. Ours dispatched
+    # since (the credit) are in in_flight already.
+    worker.own_at_scrape = 4
+    worker.load = LoadSample(30, 0, 0.2, clock.now)
+    interactive = _tier(settings, "interactive")
+    assert admission.limits.occupied(worker, clock.now) == 26
+    assert admission._full(worker, interactive)
+    worker.load = LoadSample(14, 0, 0.2, clock.now)  # 10 of others'
+    assert not admission._full(worker, interactive)
+    # Stale figures say nothing of others: only our own count.
+    clock.now += settings.load_max_age_s + 0.1
+    assert admission.limits.occupied(worker, clock.now) == 0
+    # A KV cache of 20,000 tokens holds 20 requests of 1,000 tokens: that caps the limit.
+    worker.load = LoadSample(0, 0, 0.0, clock.now, kv_tokens=20_000)
+    worker.context_tokens = 1_000
+    assert admission.limits.cap(worker) == 20
+    # A KV cache 80% full is saturated.
+    worker.load = LoadSample(3, 0, 0.85, clock.now)
+    assert admission._full(worker, interactive)
+
+
+async def test_a_worker_holding_requests_back_for_capacity_sets_its_limit_to_what_it_runs() -> None:
+    page = (SAMPLES / "metrics_busy.txt").read_text()
+    page = page.replace(
+        'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 1.0',
+        'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 12.0',
+    ).replace(
+        'model_name="tiny-llama",reason="capacity"} 0.0',
+        'model_name="tiny-llama",reason="capacity"} 3.0',
+    )
+    settings = settings_for("http://a:1")
+    clock = FakeClock()
+    client = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, text=page))
+    )
+    pool = WorkerPool(settings, client, GatewayMetrics(settings), clock, NoDns())
+    worker = pool.workers["a:1"]
+    assert worker.limit.limit == settings.max_running_per_worker
+    await pool.scrape_load(worker)
+    assert worker.load is not None
+    assert worker.load.capacity_waiting == 3
+    assert worker.limit.limit == 12
+    await client.aclose()
+
+
+def test_goodput_counts_what_the_service_could_have_served() -> None:
+    tier = TierSpec(name="t", priority=0, ttft_slo_s=1.0, tpot_slo_s=0.1, max_queue_wait_s=1.0)
+    none = TimingSummary(None, None, None, None)
+    late = TimingSummary(0.0, 1.5, 2.0, 0.05)
+    quick = TimingSummary(0.0, 0.2, 0.5, 0.05)
+    # A key over its own quota is the client's limit: not counted.
+    assert judge(Outcome.RATE_LIMITED, tier, none, None, True, 0.0, None) is None
+    assert judge(Outcome.REJECTED, tier, none, None, True, 0.0, None) is SloResult.REJECTED
+    # A client that gave up: a miss once its TTFT target had passed, else not counted.
+    cancelled = Outcome.CLIENT_CANCELLED
+    assert judge(cancelled, tier, none, None, True, 0.5, None) is None
+    assert judge(cancelled, tier, none, None, True, 1.2, None) is SloResult.MISSED_TTFT
+    assert judge(cancelled, tier, late, None, True, 2.0, None) is SloResult.MISSED_TTFT
+    assert judge(cancelled, tier, quick, None, True, 3.0, None) is None
+    # Non-streamed: its budget is 1 s + 0.1 s x (max_tokens - 1).
+    assert judge(cancelled, tier, none, None, False, 1.5, 11) is None
+    assert judge(cancelled, tier, none, None, False, 2.5, 11) is SloResult.MISSED_E2E
+    slow = TimingSummary(0.0, None, 2.5, None)
+    assert judge(Outcome.OK, tier, slow, 11, False, 2.5, None) is SloResult.MISSED_E2E
+    assert judge(Outcome.INVALID_REQUEST, tier, none, None, True, 0.0, None) is None
+
+
+def test_a_lease_is_released_once_whatever_happens() -> None:
+    clock = FakeClock()
+    admission, pool, _, _ = _controller(clock)
+    worker = pool.workers["a:1"]
+    choice = admission._router.choose(MODEL, 10)
+    lease = Lease(choice, "standard", 10, clock.now, admission._metrics)
+    assert (worker.in_flight, worker.prefilling, worker.tier_in_flight["standard"]) == (1, 1, 1)
+    assert lease.first_output(clock.now + 0.1)
+    assert not lease.first_output(clock.now + 0.2)
+    assert (worker.in_flight, worker.prefilling) == (1, 0)
+    assert lease.release(clock.now + 1)
+    assert not lease.release(clock.now + 2)
+    assert (worker.in_flight, worker.prefilling, worker.tier_in_flight["standard"]) == (0, 0, 0)
+    assert worker.prefill_tokens_ahead == 0
