@@ -31,20 +31,46 @@ _SHORTAGE_S = 2.0
 _NOT_COMPUTED: tuple[float, dict[int, float]] = (-math.inf, {})
 
 
+class _Window:
+    """Arrivals per tier priority over the last ``span`` seconds, kept as they come and go."""
+
+    __slots__ = ("arrivals", "counts", "span")
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self.arrivals: deque[tuple[float, int]] = deque()
+        self.counts: Counter[int] = Counter()
+
+    def add(self, at: float, priority: int) -> None:
+        self.arrivals.append((at, priority))
+        self.counts[priority] += 1
+
+    def at(self, now: float) -> Counter[int]:
+        """The counts of the span ending at ``now`` (older arrivals leave)."""
+        arrivals, counts, since = self.arrivals, self.counts, now - self.span
+        while arrivals and arrivals[0][0] < since:
+            _, priority = arrivals.popleft()
+            counts[priority] -= 1
+        return counts
+
+
 class TierDemand:
     """Per tier priority: recent arrivals, how long a request holds a slot, recent shortages."""
 
     def __init__(self, clock: Clock, tpot_aim: float | None) -> None:
         self._clock = clock
         self._tpot_aim = tpot_aim
-        self._arrivals: deque[tuple[float, int]] = deque()
+        self._window = _Window(_ACTIVE_S)
+        self._spans = [_Window(span) for span in _SURGE_SPANS_S]
         self._held: dict[int, float] = {}
         self._short_until: dict[int, float] = {}
         self._expected: tuple[float, dict[int, float]] = _NOT_COMPUTED
 
     def arrived(self, priority: int, now: float) -> None:
         """A request of tier ``priority`` arrived at ``now``."""
-        self._arrivals.append((now, priority))
+        self._window.add(now, priority)
+        for span in self._spans:
+            span.add(now, priority)
         self._expected = _NOT_COMPUTED
 
     def held(self, priority: int, held_s: float, decode_s: float, decoded: float) -> None:
@@ -74,13 +100,6 @@ class TierDemand:
             until > now for priority, until in self._short_until.items() if priority < tier.priority
         )
 
-    def _recent(self, now: float) -> deque[tuple[float, int]]:
-        since = now - _ACTIVE_S
-        arrivals = self._arrivals
-        while arrivals and arrivals[0][0] < since:
-            arrivals.popleft()
-        return arrivals
-
     def expected_slots(self, now: float) -> dict[int, float]:
         """Per tier priority, how many running slots its requests are expected to hold.
 
@@ -95,28 +114,25 @@ class TierDemand:
         """
         if self._expected[0] == now:
             return self._expected[1]
-        recent = self._recent(now)
+        counts = self._window.at(now)
+        total = sum(counts.values())
         expected: dict[int, float] = {}
-        if recent:
-            span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - recent[0][0]))
-            counts = Counter(p for _, p in recent)
-            rates = {p: n / span for p, n in counts.items()}
-            shares = {p: n / len(recent) for p, n in counts.items()}
-            for window in _SURGE_SPANS_S:
-                latest: Counter[int] = Counter()
-                for at, priority in reversed(recent):
-                    if at < now - window:
-                        break
-                    latest[priority] += 1
+        if total:
+            first = self._window.arrivals[0][0]
+            span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - first))
+            rates = {p: n / span for p, n in counts.items() if n}
+            shares = {p: n / total for p, n in counts.items() if n}
+            for window in self._spans:
+                latest = window.at(now)
                 for priority, count in latest.items():
                     if count >= _SURGE_MIN_ARRIVALS:
-                        rates[priority] = max(rates[priority], count / window)
+                        rates[priority] = max(rates[priority], count / window.span)
                 # All tiers' arrivals, shared out by each tier's part of the window: a surge of
                 # every tier shows in the total three times sooner than in a 30% tier's own.
                 pooled = sum(latest.values())
                 if pooled >= _SURGE_MIN_ARRIVALS:
                     for priority, share in shares.items():
-                        rates[priority] = max(rates[priority], pooled / window * share)
+                        rates[priority] = max(rates[priority], pooled / window.span * share)
             fallback = max(self._held.values(), default=0.0)
             for priority, rate in rates.items():
                 expected[priority] = rate * self._held.get(priority, fallback)
