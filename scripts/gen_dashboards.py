@@ -522,6 +522,27 @@ def overview() -> Json:
         ),
         panel(
             "timeseries",
+            "Turned away by reason",
+            "Requests turned away per second, by why: deadline_unreachable (the queue ahead "
+            "would not drain in time for the TTFT target), queue_full, prompt_too_long (over "
+            "the tier's TTFT target even on an idle worker), key_quota (the client's own key "
+            "limit), no_worker, queue_timeout (waited to its deadline), shed (made room for a "
+            "more urgent request).",
+            refs(
+                [
+                    (
+                        "sum by (reason) (rate(gateway_admission_decisions_total"
+                        f'{{{T},decision=~"rejected|expired|shed"}}[{RATE}]))',
+                        "{{reason}}",
+                    )
+                ]
+            ),
+            unit="reqps",
+            width=8,
+            stack=True,
+        ),
+        panel(
+            "timeseries",
             "Queue depth",
             "Requests waiting in the admission queue, per tier.",
             refs([(f"sum by (tier) (gateway_queue_depth{{{T}}})", "{{tier}}")]),

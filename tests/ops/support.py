@@ -39,7 +39,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "gateway_worker_failovers_total": _WORKER,
     "gateway_worker_ejections_total": _WORKER,
     "gateway_worker_completion_tokens_total": _WORKER,
-    "gateway_admission_decisions_total": ("tier", "decision"),
+    "gateway_admission_decisions_total": ("tier", "decision", "reason"),
     "gateway_slo_requests_total": ("model", "tier", "result"),
     "gateway_goodput_tokens_total": _BY_TIER,
 }
