@@ -40,7 +40,7 @@ from app.demand import TierDemand
 from app.drain import DrainRate
 from app.errors import GatewayError, Overloaded, QueueTimeout, Shed, UpstreamUnavailable
 from app.lease import Lease
-from app.limiter import Limits
+from app.limits import Limits
 from app.metrics import GatewayMetrics
 from app.outcome import Decision, Reason
 from app.routing import Choice, Router

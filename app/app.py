@@ -17,7 +17,7 @@ from app.auth import Authenticator
 from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
 from app.goodput import GoodputTracker
-from app.limiter import Limits
+from app.limits import Limits
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.record import Recorder

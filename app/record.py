@@ -15,7 +15,7 @@ from app.auth import Authenticator, Identity
 from app.errors import GatewayError, RateLimited, UpstreamUnavailable
 from app.goodput import GoodputTracker, judge
 from app.lease import Lease
-from app.limiter import Limits
+from app.limits import Limits
 from app.metrics import GatewayMetrics
 from app.outcome import Decision, Outcome, Reason
 from app.predictor import PromptSizer

@@ -23,7 +23,8 @@ from app.errors import (
 )
 from app.goodput import GoodputTracker, slo_result
 from app.lease import Lease
-from app.limiter import ConcurrencyLimit, DecodePace, Limits
+from app.limiter import ConcurrencyLimit, DecodePace
+from app.limits import Limits
 from app.metrics import GatewayMetrics
 from app.outcome import DECISION_REASONS, SloResult
 from app.predictor import RecentQuantile

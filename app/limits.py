@@ -1,0 +1,117 @@
+"""Admission's two limits on every worker, steered by the latencies its requests get.
+
+The limit arithmetic is :mod:`app.limiter`'s; this module applies it to the pool's workers
+against the tiers' targets, and reads the workers' own saturation signals.
+"""
+
+from __future__ import annotations
+
+import math
+
+from app.metrics import GatewayMetrics
+from app.settings import Settings
+from app.workers import Worker, WorkerPool
+
+
+class Limits:
+    """Admission's two limits on every worker, steered by the latencies its requests get.
+
+    The running limit follows TPOT against the strictest TPOT target. The prefill limit follows
+    the worker's own part of TTFT (dispatch to first token) against half the strictest TTFT
+    target, the other half being left for the wait in the queue: requests dispatched into vLLM
+    wait there first come, first served, so under load the gateway keeps the worker's prefill
+    queue short and the backlog in its own queue, where tiers apply. Each grows while latencies
+    are within the target times the headroom (the aim) and is cut when one is over the target.
+    """
+
+    def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        targets = [t.tpot_slo_s for t in settings.tiers if t.tpot_slo_s is not None]
+        self.tpot_target = min(targets) if targets else None
+        """The strictest TPOT target; the running limit keeps it."""
+        self.tpot_aim = (
+            None if self.tpot_target is None else settings.ttft_headroom * self.tpot_target
+        )
+        self._ttft_target = min(t.ttft_slo_s for t in settings.tiers)
+
+    def cap(self, worker: Worker) -> int:
+        """The most requests ``worker`` may run now (this gateway's and others' together).
+
+        Its feedback-steered limit, at most the hard cap and what its KV cache holds of
+        requests of the typical size.
+        """
+        fit = worker.kv_fit()
+        most = min(self._settings.max_running_per_worker, worker.limit.limit)
+        return most if fit >= most else max(1, math.floor(fit))
+
+    def prefill_cap(self, worker: Worker) -> int:
+        """The most requests that may be prefilling on ``worker`` at once."""
+        return min(self._settings.max_running_per_worker, worker.prefill_limit.limit)
+
+    def learn(
+        self,
+        worker: Worker,
+        worker_ttft_s: float | None,
+        tpot_s: float | None,
+        prefill_peers: int,
+        now: float,
+        decode_load: float | None = None,
+    ) -> None:
+        """Steer ``worker``'s limits by a finished stream's latencies.
+
+        ``prefill_peers`` is how many were prefilling with it (itself included), ``decode_load``
+        how many ran with it on average while it decoded: a TPOT within the aim lets the running
+        limit rise at once to the load that would take TPOT to the aim
+        (:meth:`app.limiter.ConcurrencyLimit.on_result`). The prefill limit does not project
+        so: prompts differ in length, so one short prefill says little.
+        """
+        headroom = self._settings.ttft_headroom
+        if tpot_s is not None and self.tpot_target is not None:
+            target = self.tpot_target
+            running = worker.in_flight + 1 + self._others(worker, now)
+            worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load)
+        if worker_ttft_s is not None:
+            target = self._ttft_target / 2
+            worker.prefill_limit.on_result(
+                worker_ttft_s, headroom * target, target, prefill_peers, now
+            )
+
+    def paced(self, worker: Worker, pace_s: float, now: float) -> None:
+        """``worker``'s streams advanced ``pace_s`` per token over the last few seconds.
+
+        Slower than the strictest TPOT target: the batch has outgrown it now, so the running
+        limit is cut at once (from what runs there) instead of when the streams that live
+        through it end, seconds later (:class:`app.limiter.DecodePace`).
+        """
+        self._metrics.worker_decode_pace.labels(worker.label).set(pace_s)
+        target = self.tpot_target
+        if target is not None and pace_s > target:
+            running = worker.in_flight + self._others(worker, now)
+            worker.limit.cut(running, now, pace_s / target)
+
+    def occupied(self, worker: Worker, now: float) -> float:
+        """What counts against ``worker``'s running limit: ours in flight plus others'."""
+        return worker.in_flight + self._others(worker, now)
+
+    def _others(self, worker: Worker, now: float) -> float:
+        return worker.others(now, self._settings.load_max_age_s)
+
+    def saturated(self, worker: Worker, now: float) -> bool:
+        """Whether ``worker`` says it is full (:meth:`app.workers.Worker.saturated`)."""
+        s = self._settings
+        return worker.saturated(now, s.load_max_age_s, s.saturation_waiting, s.saturation_kv_cache)
+
+    def export(self, pool: WorkerPool) -> None:
+        """Refresh each worker's limits and learnt latency model (before an export)."""
+        metrics = self._metrics
+        for worker in pool.workers.values():
+            label = worker.label
+            latency = worker.latency
+            metrics.worker_concurrency_limit.labels(label).set(self.cap(worker))
+            metrics.worker_prefill_limit.labels(label).set(self.prefill_cap(worker))
+            metrics.worker_prefilling.labels(label).set(worker.prefilling)
+            slope = latency.prefill.slope
+            metrics.worker_prefill_rate.labels(label).set(1.0 / slope if slope > 0 else 0.0)
+            metrics.worker_decode_step.labels(label).set(latency.decode.predict(1))
+            metrics.worker_decode_per_sequence.labels(label).set(latency.decode.slope)
