@@ -27,7 +27,7 @@ from app.routing import Router
 from app.settings import Settings
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
-from app.upstream import make_client
+from app.upstream import UpstreamSlots, make_client
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ def create_app(
                 sorted(pool.served_models()), settings.routing,
                 "on" if settings.admission else "off",
             )  # fmt: skip
-            deps = RelayDeps(settings, client, pool, router, metrics, admission, recorder)
+            slots = UpstreamSlots(settings.max_upstream_connections, metrics)
+            deps = RelayDeps(settings, client, pool, router, metrics, admission, recorder, slots)
             yield {
                 STATE_KEY: GatewayState(
                     settings,

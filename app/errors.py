@@ -148,7 +148,8 @@ class _RetryLater(GatewayError):
     """What admission counts the refusal as (the error's code, unless one is given)."""
 
     def __init__(self, message: str, retry_after_s: float, *, reason: Reason | None = None):
-        super().__init__(message, code=(reason or self.reason).value)
+        why = reason or self.reason
+        super().__init__(message, code=None if why is Reason.NONE else why.value)
         if reason is not None:
             self.reason = reason  # type: ignore[misc]
         self.retry_after_s = retry_after_s
@@ -197,3 +198,15 @@ class Shed(_RetryLater):
     def headers(self) -> dict[str, str]:
         """Retry-After plus a header saying the request was shed."""
         return {**super().headers(), "x-gateway-shed": "true"}
+
+
+class GatewaySaturated(_RetryLater):
+    """The gateway's own limit (its connections to the workers) is reached: answered at once.
+
+    Never blamed on a worker: it does not count against the worker's health.
+    """
+
+    status_code = 503
+    error_type = "server_error"
+    code = "gateway_saturated"
+    outcome = Outcome.GATEWAY_SATURATED

@@ -7,8 +7,9 @@ What counts (the denominator):
 * A non-streamed answer has no TTFT of its own: it meets its tier when its whole latency fits
   the budget the targets allow it, TTFT target + TPOT target x (tokens - 1), and misses on
   that E2E (``missed_e2e``).
-* Turned away by admission (429/503 of the gateway's queue) counts as ``rejected``; a worker's
-  failure or time-out as ``errored``.
+* Turned away by admission (429/503 of the gateway's queue) or by the gateway's own limits
+  (503 ``gateway_saturated``) counts as ``rejected``; a worker's failure or time-out as
+  ``errored``.
 * A client that gave up counts as a miss when its wait had already missed: a stream after its
   TTFT target passed without a first token (or with a late one), a non-streamed request after
   its whole budget (for ``max_tokens``, when given) passed. A client that left earlier is not
@@ -60,7 +61,7 @@ def judge(
     """
     if outcome is Outcome.OK:
         return slo_result(tier, timing, tokens, stream)
-    if outcome is Outcome.REJECTED:
+    if outcome in (Outcome.REJECTED, Outcome.GATEWAY_SATURATED):
         return SloResult.REJECTED
     if outcome in (Outcome.UPSTREAM_ERROR, Outcome.TIMEOUT):
         return SloResult.ERRORED

@@ -18,6 +18,8 @@ from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
 from app.timing import TimingSummary
 
 OTHER_MODEL = "other"
+UPSTREAM_CONNECTIONS = "upstream_connections"
+"""The ``resource`` of ``gateway_saturated_total``: the gateway's connections to the workers."""
 
 
 class GatewayMetrics:
@@ -217,6 +219,12 @@ class GatewayMetrics:
             "gateway_tier_slo_tpot_seconds", "The tier's TPOT target.", by_tier_only,
             registry=reg,
         )  # fmt: skip
+        self.saturated = Counter(
+            "gateway_saturated",
+            "Requests answered 503 gateway_saturated because the gateway's own resource ran out.",
+            ["resource"], registry=reg,
+        )  # fmt: skip
+        self.saturated.labels(UPSTREAM_CONNECTIONS)
         for tier in settings.tiers:
             # Exported at zero from the start: rate() counts only increases between scrapes, so
             # a series that first appears with its first burst of events shows no rate for it.

@@ -14,6 +14,7 @@ close and aborts the generation).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -28,6 +29,7 @@ from app.admission import AdmissionController, Ticket
 from app.auth import Identity
 from app.errors import (
     GatewayError,
+    GatewaySaturated,
     UpstreamClientError,
     UpstreamInvalidResponse,
     UpstreamTimeout,
@@ -42,7 +44,7 @@ from app.routing import Choice, Router
 from app.settings import Settings
 from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
 from app.timing import RequestTimer
-from app.upstream import open_response
+from app.upstream import UpstreamSlots, worker_response
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class RelayDeps:
     metrics: GatewayMetrics
     admission: AdmissionController
     recorder: Recorder
+    slots: UpstreamSlots
 
 
 @dataclass(slots=True)
@@ -156,7 +159,8 @@ class Relay(Response):
             try:
                 await once(send, lease)
                 return
-            except UpstreamClientError as error:
+            except (UpstreamClientError, GatewaySaturated) as error:
+                # The client's mistake, or the gateway's own limit: never the worker's fault.
                 await self._fail(send, error, None)
                 return
             except GatewayError as error:
@@ -230,16 +234,13 @@ class Relay(Response):
         keep_usage = request.wants_usage
         splitter = EventSplitter()
         worker = lease.worker
-        upstream: httpx.Response | None = None
         done = False
         self._tokens = None
         try:
-            async with asyncio.timeout_at(_earliest(deadline_at, total_at)) as deadline:
-                lease.dispatched = timer.dispatch()
-                upstream = await open_response(
-                    deps.client, worker, request.endpoint.path, self._upstream_body,
-                    self._request_id,
-                )  # fmt: skip
+            async with (
+                asyncio.timeout_at(_earliest(deadline_at, total_at)) as deadline,
+                self._response(lease) as upstream,
+            ):
                 async for data in upstream.aiter_raw():
                     received = clock()
                     events = splitter.feed(data)
@@ -282,10 +283,16 @@ class Relay(Response):
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
-        finally:
-            if upstream is not None:
-                await upstream.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[httpx.Response]:
+        """The worker's response to this request, sent now (the dispatch time is marked)."""
+        deps = self._deps
+        lease.dispatched = self._timer.dispatch()
+        return worker_response(
+            deps.client, deps.slots, lease.worker, self._request.endpoint.path,
+            self._upstream_body, self._request_id,
+        )  # fmt: skip
 
     async def _unary_once(self, send: Send, lease: Lease) -> None:
         deps, timer = self._deps, self._timer
@@ -295,24 +302,17 @@ class Relay(Response):
             timeout = min(
                 timeout, deps.settings.request_timeout_s - (timer.clock() - timer.arrival)
             )
-        upstream: httpx.Response | None = None
         try:
-            async with asyncio.timeout(timeout):
-                lease.dispatched = timer.dispatch()
-                upstream = await open_response(
-                    deps.client, worker, self._request.endpoint.path, self._upstream_body,
-                    self._request_id,
-                )  # fmt: skip
+            async with asyncio.timeout(timeout), self._response(lease) as upstream:
                 raw = await upstream.aread()
+                status = upstream.status_code
+                content_type = upstream.headers.get("content-type", "application/json").encode()
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Worker {worker.label} did not answer in time.") from exc
         except httpx.TransportError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the response: {type(exc).__name__}."
             ) from exc
-        finally:
-            if upstream is not None:
-                await upstream.aclose()
         self._end = timer.clock()
         try:
             payload: Any = json.loads(raw)
@@ -322,8 +322,7 @@ class Relay(Response):
             ) from exc
         self._first_output(lease, self._end)
         self._tokens = usage_counts(payload)
-        content_type = upstream.headers.get("content-type", "application/json").encode()
-        await self._start(send, upstream.status_code, [(b"content-type", content_type)])
+        await self._start(send, status, [(b"content-type", content_type)])
         await send({"type": "http.response.body", "body": raw, "more_body": False})
 
     @functools.cached_property

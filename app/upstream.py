@@ -6,6 +6,7 @@ ASGI app) for failures a real worker cannot produce on demand.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +15,7 @@ import httpx
 
 from app.errors import (
     GatewayError,
+    GatewaySaturated,
     UpstreamClientError,
     UpstreamError,
     UpstreamInvalidResponse,
@@ -21,11 +23,50 @@ from app.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from app.metrics import UPSTREAM_CONNECTIONS, GatewayMetrics
 from app.settings import Settings
 from app.workers import Worker, worker_headers
 
 # Error bodies are read to pass the worker's message on; a runaway one is cut here.
 _MAX_ERROR_BODY = 64 * 1024
+# Connections the client may open beyond the relay's budget: health probes, load scrapes and
+# model discovery share the client and must never wait behind streams.
+_PROBE_CONNECTIONS = 64
+
+
+class UpstreamSlots:
+    """The gateway's own budget of requests open to the workers (one connection each).
+
+    Checked before a request is sent: with the budget spent, the request is answered 503
+    ``gateway_saturated`` at once, instead of waiting on the connection pool and then being
+    blamed on a healthy worker.
+    """
+
+    __slots__ = ("_metrics", "in_use", "limit")
+
+    def __init__(self, limit: int, metrics: GatewayMetrics) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self._metrics = metrics
+
+    def take(self) -> None:
+        """Take one slot, or raise :class:`GatewaySaturated`."""
+        if self.in_use >= self.limit:
+            raise self.saturated()
+        self.in_use += 1
+
+    def give(self) -> None:
+        """Give a slot back."""
+        self.in_use -= 1
+
+    def saturated(self) -> GatewaySaturated:
+        """The error for a spent budget, counted in ``gateway_saturated_total``."""
+        self._metrics.saturated.labels(UPSTREAM_CONNECTIONS).inc()
+        return GatewaySaturated(
+            f"The gateway has all {self.limit} of its connections to the workers in use "
+            "(GATEWAY_MAX_UPSTREAM_CONNECTIONS); retry shortly.",
+            1.0,
+        )
 
 
 def make_client(
@@ -45,7 +86,7 @@ def make_client(
             pool=settings.connect_timeout_s,
         ),
         limits=httpx.Limits(
-            max_connections=settings.max_upstream_connections,
+            max_connections=settings.max_upstream_connections + _PROBE_CONNECTIONS,
             max_keepalive_connections=min(256, settings.max_upstream_connections),
         ),
         follow_redirects=False,
@@ -53,15 +94,42 @@ def make_client(
     )
 
 
-async def open_response(
-    client: httpx.AsyncClient, worker: Worker, path: str, body: bytes, request_id: str
-) -> httpx.Response:
-    """Send a request to ``worker`` and return its response once the status line arrived.
+@contextlib.asynccontextmanager
+async def worker_response(
+    client: httpx.AsyncClient,
+    slots: UpstreamSlots,
+    worker: Worker,
+    path: str,
+    body: bytes,
+    request_id: str,
+) -> AsyncIterator[httpx.Response]:
+    """Send a request to ``worker``; yield its response once the status line arrived.
 
-    The body is not read (the caller streams it and must ``aclose`` it). A worker's 4xx is
-    raised as :class:`UpstreamClientError` carrying the worker's own message; a 5xx, a broken
-    connection or a response that is not OpenAI-shaped as the matching :class:`UpstreamError`.
+    The body is not read (the caller streams it); the response is closed, and its slot given
+    back, when the block ends. A worker's 4xx is raised as :class:`UpstreamClientError`
+    carrying the worker's own message; a 5xx, a broken connection or a response that is not
+    OpenAI-shaped as the matching :class:`UpstreamError`; the gateway's own connection budget
+    spent as :class:`GatewaySaturated`.
     """
+    slots.take()
+    try:
+        response = await _send(client, slots, worker, path, body, request_id)
+        try:
+            yield response
+        finally:
+            await response.aclose()
+    finally:
+        slots.give()
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    slots: UpstreamSlots,
+    worker: Worker,
+    path: str,
+    body: bytes,
+    request_id: str,
+) -> httpx.Response:
     request = client.build_request(
         "POST",
         f"{worker.spec.base_url}{path}",
@@ -70,8 +138,10 @@ async def open_response(
     )
     try:
         response = await client.send(request, stream=True)
+    except httpx.PoolTimeout as exc:
+        raise slots.saturated() from exc
     except httpx.TimeoutException as exc:
-        if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        if isinstance(exc, httpx.ConnectTimeout):
             raise UpstreamUnavailable(
                 f"Worker {worker.label} could not be reached in time."
             ) from exc
@@ -151,4 +221,4 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
     }
 
 
-__all__ = ["UpstreamError", "error_object", "make_client", "open_response"]
+__all__ = ["UpstreamError", "UpstreamSlots", "error_object", "make_client", "worker_response"]

@@ -527,14 +527,19 @@ def overview() -> Json:
             "would not drain in time for the TTFT target), queue_full, prompt_too_long (over "
             "the tier's TTFT target even on an idle worker), key_quota (the client's own key "
             "limit), no_worker, queue_timeout (waited to its deadline), shed (made room for a "
-            "more urgent request).",
+            "more urgent request); and gateway_saturated (503: the gateway's own connections "
+            "to the workers ran out; every tier).",
             refs(
                 [
                     (
                         "sum by (reason) (rate(gateway_admission_decisions_total"
                         f'{{{T},decision=~"rejected|expired|shed"}}[{RATE}]))',
                         "{{reason}}",
-                    )
+                    ),
+                    (
+                        f"sum by (resource) (rate(gateway_saturated_total[{RATE}]))",
+                        "gateway_saturated: {{resource}}",
+                    ),
                 ]
             ),
             unit="reqps",

@@ -353,3 +353,38 @@ async def test_a_stream_slower_than_the_tpot_target_cuts_its_workers_limit_while
     assert before >= 2
     assert limit(metrics) < before
     assert gauge(metrics, "gateway_worker_decode_pace_seconds") == pytest.approx(0.12, rel=0.25)
+
+
+async def test_a_full_connection_pool_is_the_gateways_own_503_never_the_workers() -> None:
+    async def slow(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        stream = tokens(20, gap=0.05)  # a second per stream
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
+
+    worker = FakeWorker(slow)
+    settings = settings_for(WORKER, max_upstream_connections=4)
+    async with running_gateway(settings, worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+            async def one() -> tuple[int, dict[str, Any] | None, float]:
+                sent = asyncio.get_running_loop().time()
+                async with client.stream("POST", "/v1/chat/completions", json=_chat()) as r:
+                    body = await r.aread()
+                    took = asyncio.get_running_loop().time() - sent
+                    error = json.loads(body)["error"] if r.status_code != 200 else None
+                    return r.status_code, error, took
+
+            results = await asyncio.gather(*(one() for _ in range(10)))
+            metrics = (await client.get("/metrics")).text
+            ready = await client.get("/readyz")
+    statuses = sorted(status for status, _, _ in results)
+    assert statuses == [200] * 4 + [503] * 6
+    for status, error, took in results:
+        if status == 503:
+            assert error is not None
+            assert error["code"] == "gateway_saturated"
+            assert took < 0.5  # at once, not after a pool timeout
+    assert 'gateway_saturated_total{resource="upstream_connections"} 6.0' in metrics
+    assert 'gateway_worker_ejections_total{worker="fake-worker:8100"} 0.0' in metrics
+    assert 'gateway_worker_up{worker="fake-worker:8100"} 1.0' in metrics
+    assert 'outcome="gateway_saturated"' in metrics
+    assert ready.status_code == 200

@@ -42,6 +42,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "gateway_admission_decisions_total": ("tier", "decision", "reason"),
     "gateway_slo_requests_total": ("model", "tier", "result"),
     "gateway_goodput_tokens_total": _BY_TIER,
+    "gateway_saturated_total": ("resource",),
 }
 GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_in_flight_requests": _BY_TIER,
