@@ -77,6 +77,11 @@ class GatewayMetrics:
             "Time spent in the gateway's own code per request, not waiting on worker or client.",
             by_model, buckets=OVERHEAD_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.failover = Histogram(
+            "gateway_failover_seconds",
+            "Time a request lost on attempts that failed before its first byte (failed over).",
+            by_model, buckets=settings.queue_buckets, registry=reg,
+        )  # fmt: skip
         by_worker = ["worker"]
         self.worker_up = Gauge(
             "gateway_worker_up", "1 if the worker is healthy: answers its probe, not ejected.",
@@ -259,6 +264,7 @@ class GatewayMetrics:
             return
         self._models.add(model)
         self.overhead.labels(model)
+        self.failover.labels(model)
         per_tier = (
             self.prompt_tokens, self.completion_tokens, self.in_flight, self.ttft, self.itl,
             self.tpot, self.e2e, self.queue, self.goodput_tokens,
@@ -280,6 +286,8 @@ class GatewayMetrics:
         if timing.queue_s is not None:
             self.queue.labels(model, tier).observe(timing.queue_s)
         self.overhead.labels(model).observe(timing.overhead_s)
+        if timing.failover_s > 0:
+            self.failover.labels(model).observe(timing.failover_s)
         if timing.e2e_s is not None:
             self.e2e.labels(model, tier).observe(timing.e2e_s)
         if not stream:

@@ -164,6 +164,7 @@ class Relay(Response):
                 await self._fail(send, error, None)
                 return
             except GatewayError as error:
+                self._timer.attempt_failed()
                 deps.pool.report_failure(lease.worker, error.code or "error")
                 retry = None
                 if not self._started and len(tried) < deps.settings.max_attempts:
@@ -224,7 +225,9 @@ class Relay(Response):
         settings = deps.settings
         loop = asyncio.get_running_loop()
         clock = timer.clock
-        deadline_at = loop.time() + settings.first_token_timeout_s
+        # The first-token timeout runs from arrival, across attempts: a client waits at most
+        # that long whatever failed over on the way.
+        deadline_at = loop.time() + settings.first_token_timeout_s - (clock() - timer.arrival)
         total_at = (
             None
             if settings.request_timeout_s is None

@@ -2,7 +2,8 @@
 
 Definitions follow the standard benchmark clients (vLLM bench, aiperf, guidellm):
 
-* queue time: arrival to dispatch upstream;
+* queue time: arrival to the first dispatch upstream (the admission queue);
+* failover: time spent on attempts that failed before the first byte (not queue, not overhead);
 * TTFT: arrival to the first event that carries output (the role-only chunk does not count);
 * ITL: the gap between consecutive output events, divided by the tokens the later one carries;
 * TPOT: (E2E - TTFT) / (completion tokens - 1);
@@ -35,12 +36,16 @@ class TimingSummary:
     itl_s: list[float] = field(default_factory=list)
     output_events: int = 0
     overhead_s: float = 0.0
+    failover_s: float = 0.0
 
 
 class RequestTimer:
     """Collects the timestamps of one request; ``summary`` turns them into latencies."""
 
-    __slots__ = ("_outputs", "_overhead", "_queued", "arrival", "clock", "dispatched")
+    __slots__ = (
+        "_attempt_at", "_failed_at", "_failover", "_outputs", "_overhead", "_queued", "arrival",
+        "clock", "dispatched",
+    )  # fmt: skip
 
     def __init__(self, clock: Clock = default_clock, arrival: float | None = None) -> None:
         self.clock = clock
@@ -49,17 +54,31 @@ class RequestTimer:
         self._queued = 0.0
         self._outputs = array("d")
         self._overhead = 0.0
+        self._failover = 0.0
+        self._attempt_at = 0.0
+        self._failed_at: float | None = None
 
     def queued(self, seconds: float) -> None:
         """Time spent waiting for admission: queue time, but not the gateway's own overhead."""
         self._queued += seconds
 
     def dispatch(self) -> float:
-        """Mark the moment the request is sent upstream."""
+        """Mark the moment the request is sent upstream (again, after a failed attempt)."""
         now = self.clock()
-        self.dispatched = now
-        self._overhead += max(0.0, now - self.arrival - self._queued)
+        if self.dispatched is None:
+            self.dispatched = now
+            self._overhead += max(0.0, now - self.arrival - self._queued)
+        elif self._failed_at is not None:
+            # Choosing the next worker is the gateway's own time; the dead attempt is not.
+            self._overhead += max(0.0, now - self._failed_at)
+        self._attempt_at = now
         return now
+
+    def attempt_failed(self) -> None:
+        """The attempt sent at the last :meth:`dispatch` failed before the first byte."""
+        now = self.clock()
+        self._failover += max(0.0, now - self._attempt_at)
+        self._failed_at = now
 
     def output(self, at: float) -> None:
         """Record an event that carries output, received at ``at``."""
@@ -94,7 +113,7 @@ class RequestTimer:
         outputs = self._outputs
         if not outputs:
             e2e = None if end is None else end - self.arrival
-            return TimingSummary(queue, None, e2e, None, [], 0, self._overhead)
+            return TimingSummary(queue, None, e2e, None, [], 0, self._overhead, self._failover)
         n_events = len(outputs)
         tokens = completion_tokens if completion_tokens and completion_tokens > 0 else n_events
         ttft = outputs[0] - self.arrival
@@ -104,4 +123,4 @@ class RequestTimer:
         # scan cannot tell how many, so each gap is shared by the average tokens per event.
         per_event = max(1.0, (tokens - 1) / (n_events - 1)) if n_events > 1 else 1.0
         itl = [(outputs[i] - outputs[i - 1]) / per_event for i in range(1, n_events)]
-        return TimingSummary(queue, ttft, e2e, tpot, itl, n_events, self._overhead)
+        return TimingSummary(queue, ttft, e2e, tpot, itl, n_events, self._overhead, self._failover)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from typing import Any
@@ -282,3 +283,50 @@ async def test_requests_only_reach_workers_serving_their_model() -> None:
     assert len(mine.requests) == 4
     assert other.requests == []
     assert json.loads(json.dumps(ids))
+
+
+def _histogram_sum(metrics: str, name: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith(f"{name}_sum{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+async def test_failover_time_is_its_own_not_queue_time_or_overhead() -> None:
+    async def slow_500(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        await asyncio.sleep(1.0)
+        return await _fail500(request, body)
+
+    bad, good = FakeWorker(slow_500), FakeWorker(_ok)
+    transport = fleet({"bad:1": bad, "good:2": good})
+    settings = settings_for("http://bad:1,http://good:2", routing="round_robin")
+    async with running_gateway(settings, transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            status, _ = await _stream(client)
+            metrics = (await client.get("/metrics")).text
+    assert status == 200
+    assert len(bad.requests) == 1
+    assert _histogram_sum(metrics, "gateway_failover_seconds") == pytest.approx(1.0, abs=0.3)
+    assert _histogram_sum(metrics, "gateway_overhead_seconds") < 0.2
+    assert _histogram_sum(metrics, "gateway_queue_time_seconds") < 0.2
+
+
+async def test_the_first_token_timeout_runs_from_arrival_across_attempts() -> None:
+    async def slow_500(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        await asyncio.sleep(0.7)
+        return await _fail500(request, body)
+
+    async def hang(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        await asyncio.sleep(10)
+        return await _ok(request, body)
+
+    transport = fleet({"bad:1": FakeWorker(slow_500), "hung:2": FakeWorker(hang)})
+    settings = settings_for(
+        "http://bad:1,http://hung:2", routing="round_robin", first_token_timeout_s=1.0
+    )
+    async with running_gateway(settings, transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            started = asyncio.get_running_loop().time()
+            status, body = await _stream(client)
+            took = asyncio.get_running_loop().time() - started
+    assert status == 504
+    assert json.loads(body)["error"]["code"] == "upstream_timeout"
+    assert took == pytest.approx(1.0, abs=0.25)  # not 0.7 + 1.0 s

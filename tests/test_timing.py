@@ -74,3 +74,22 @@ def test_admission_wait_counts_as_queue_not_overhead() -> None:
     s = timer.summary(None)
     assert s.queue_s == pytest.approx(0.501)
     assert s.overhead_s == pytest.approx(0.0012)
+
+
+def test_a_failed_attempt_is_failover_time_not_queue_or_overhead() -> None:
+    clock = FakeClock()
+    timer = RequestTimer(clock)
+    clock.now += 0.3
+    timer.queued(0.3)  # waited 0.3 s for admission
+    clock.now += 0.001
+    timer.dispatch()  # 1 ms of the gateway's own
+    clock.now += 2.0
+    timer.attempt_failed()  # the worker answered 500 after 2 s
+    clock.now += 0.002
+    timer.dispatch()  # 2 ms choosing the next worker
+    timer.output(clock.now + 0.05)
+    s = timer.summary(completion_tokens=1)
+    assert s.queue_s == pytest.approx(0.301)
+    assert s.overhead_s == pytest.approx(0.003)
+    assert s.failover_s == pytest.approx(2.0)
+    assert s.ttft_s == pytest.approx(2.353)

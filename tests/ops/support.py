@@ -74,6 +74,7 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "gateway_e2e_request_latency_seconds": _BY_TIER,
     "gateway_queue_time_seconds": _BY_TIER,
     "gateway_overhead_seconds": ("model",),
+    "gateway_failover_seconds": ("model",),
     "gateway_worker_time_to_first_token_seconds": _WORKER,
     "gateway_worker_inter_token_latency_seconds": _WORKER,
     "gateway_queue_wait_seconds": ("tier",),
