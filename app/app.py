@@ -25,6 +25,7 @@ from app.relay import RelayDeps
 from app.routes import router
 from app.routing import Router
 from app.settings import Settings
+from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
 from app.upstream import UpstreamSlots, make_client
@@ -39,11 +40,14 @@ def create_app(
     transport: httpx.AsyncBaseTransport | None = None,
     clock: Clock = default_clock,
     resolver: Resolver | None = None,
+    shutdown: Shutdown | None = None,
 ) -> FastAPI:
     """Build a gateway app.
 
-    ``transport`` replaces the network to the workers and ``resolver`` the DNS (tests).
+    ``transport`` replaces the network to the workers and ``resolver`` the DNS (tests);
+    ``shutdown`` is the drain the server starts on SIGTERM (:mod:`app.shutdown`).
     """
+    drain = shutdown or Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, GatewayState]]:
@@ -67,7 +71,9 @@ def create_app(
                 "on" if settings.admission else "off",
             )  # fmt: skip
             slots = UpstreamSlots(settings.max_upstream_connections, metrics)
-            deps = RelayDeps(settings, client, pool, router, metrics, admission, recorder, slots)
+            deps = RelayDeps(
+                settings, client, pool, router, metrics, admission, recorder, slots, drain
+            )
             yield {
                 STATE_KEY: GatewayState(
                     settings,
@@ -81,6 +87,7 @@ def create_app(
                     goodput,
                     recorder,
                     deps,
+                    drain,
                 )
             }
         finally:

@@ -210,3 +210,16 @@ class GatewaySaturated(_RetryLater):
     error_type = "server_error"
     code = "gateway_saturated"
     outcome = Outcome.GATEWAY_SATURATED
+
+
+class GatewayShutdown(GatewayError):
+    """The gateway is shutting down and its grace period for running requests is over."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "gateway_shutdown"
+    outcome = Outcome.GATEWAY_SHUTDOWN
+
+    def headers(self) -> dict[str, str]:
+        """Another replica can take the request at once."""
+        return {"retry-after": "1", "retry-after-ms": "0"}

@@ -63,7 +63,7 @@ def judge(
         return slo_result(tier, timing, tokens, stream)
     if outcome in (Outcome.REJECTED, Outcome.GATEWAY_SATURATED):
         return SloResult.REJECTED
-    if outcome in (Outcome.UPSTREAM_ERROR, Outcome.TIMEOUT):
+    if outcome in (Outcome.UPSTREAM_ERROR, Outcome.TIMEOUT, Outcome.GATEWAY_SHUTDOWN):
         return SloResult.ERRORED
     if outcome is Outcome.CLIENT_CANCELLED:
         if not stream:

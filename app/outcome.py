@@ -20,6 +20,8 @@ class Outcome(StrEnum):
     """Turned away by admission (the service could not take it now)."""
     RATE_LIMITED = "rate_limited"
     """Over its own key's quota: the client's limit, not a shortfall of the service."""
+    GATEWAY_SHUTDOWN = "gateway_shutdown"
+    """Cut by the gateway's shutdown after its grace period: the gateway's doing, never ok."""
     GATEWAY_SATURATED = "gateway_saturated"
     """The gateway's own resources (its connections to the workers) ran out: never a worker's
     fault, never a success."""

@@ -30,6 +30,7 @@ from app.auth import Identity
 from app.errors import (
     GatewayError,
     GatewaySaturated,
+    GatewayShutdown,
     UpstreamClientError,
     UpstreamInvalidResponse,
     UpstreamTimeout,
@@ -42,6 +43,7 @@ from app.protocol import ParsedRequest
 from app.record import Recorder, RequestEnd
 from app.routing import Choice, Router
 from app.settings import Settings
+from app.shutdown import Shutdown
 from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
 from app.timing import RequestTimer
 from app.upstream import UpstreamSlots, worker_response
@@ -70,6 +72,7 @@ class RelayDeps:
     admission: AdmissionController
     recorder: Recorder
     slots: UpstreamSlots
+    shutdown: Shutdown
 
 
 @dataclass(slots=True)
@@ -105,6 +108,9 @@ class Relay(Response):
         self._end: float | None = None
         self._lease: Lease | None = None
         self._queued_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._cut = False
+        self._ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request, cancelling the worker request if the client disconnects.
@@ -113,19 +119,33 @@ class Relay(Response):
         ends (done, client gone, server cancelling it), both are finished and its lease is
         released before the end is recorded.
         """
-        in_flight = self._deps.metrics.in_flight.labels(self._model_label, self._tier)
+        deps = self._deps
+        in_flight = deps.metrics.in_flight.labels(self._model_label, self._tier)
         in_flight.inc()
         try:
             async with asyncio.TaskGroup() as group:
-                relay = group.create_task(self._serve(send))
+                relay = self._task = group.create_task(self._serve(send))
                 watcher = group.create_task(self._watch(receive, relay))
                 relay.add_done_callback(lambda _: watcher.cancel())
+                deps.shutdown.enter(self)
+            if self._cut and not self._ended:
+                await self._fail(
+                    send, GatewayShutdown("The gateway is shutting down; retry elsewhere."), None
+                )
         except* OSError:
             # The client vanished while we were writing to it.
             self._client_closed()
         finally:
+            deps.shutdown.leave(self)
             in_flight.dec()
             self._finish()
+
+    def cut(self) -> None:
+        """The shutdown's grace period is over: stop, and tell the client (in-band if started)."""
+        task = self._task
+        if task is not None and not task.done() and not self._cut:
+            self._cut = True
+            task.cancel()
 
     async def _watch(self, receive: Receive, relay: asyncio.Task[None]) -> None:
         """Wait for the client to disconnect; then stop the request."""
@@ -133,7 +153,7 @@ class Relay(Response):
             message: Message = await receive()
             if message["type"] == "http.disconnect":
                 break
-        if not relay.done():
+        if not relay.done() and not self._cut:
             self._client_closed()
             relay.cancel()
 
@@ -286,7 +306,7 @@ class Relay(Response):
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._end_body(send, b"")
 
     def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[httpx.Response]:
         """The worker's response to this request, sent now (the dispatch time is marked)."""
@@ -326,7 +346,7 @@ class Relay(Response):
         self._first_output(lease, self._end)
         self._tokens = usage_counts(payload)
         await self._start(send, status, [(b"content-type", content_type)])
-        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        await self._end_body(send, raw)
 
     @functools.cached_property
     def _upstream_body(self) -> bytes:
@@ -365,12 +385,17 @@ class Relay(Response):
             ]
             await self._start(send, error.status_code, headers)
             self._status = error.status_code
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+            await self._end_body(send, body)
             return
         self._status = error.status_code
         event = b"data: " + error.to_json() + b"\n\n"
         # The stream ends without [DONE], so clients cannot mistake it for a complete answer.
-        await send({"type": "http.response.body", "body": event, "more_body": False})
+        await self._end_body(send, event)
+
+    async def _end_body(self, send: Send, body: bytes) -> None:
+        """Send the last part of the body: the response is complete after this."""
+        self._ended = True
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _finish(self) -> None:
         ctx, timer, tokens = self._ctx, self._timer, self._tokens

@@ -92,14 +92,13 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", response_model=None)
 async def readyz(state: State) -> JSONResponse:
-    """Ready when at least one worker answered its last probe."""
+    """Ready when at least one worker answered its last probe, and not draining."""
     now = state.pool.now()
     workers = {label: worker.healthy(now) for label, worker in state.pool.workers.items()}
-    ready = state.pool.ready()
-    return JSONResponse(
-        {"status": "ready" if ready else "no worker reachable", "workers": workers},
-        status_code=200 if ready else 503,
-    )
+    draining = state.shutdown.draining
+    ready = state.pool.ready() and not draining
+    status = "ready" if ready else "draining" if draining else "no worker reachable"
+    return JSONResponse({"status": status, "workers": workers}, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", response_model=None)

@@ -257,6 +257,20 @@ class Settings(BaseSettings):
         description="Roofline figures (JSON: memory_bandwidth_gbs, model_params_billion, "
         "dtype_bytes, kv_bytes_per_token) for the decode-bandwidth panel; none disables it.",
     )
+    drain_delay_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="After SIGTERM, /readyz answers 503 while requests are still accepted for "
+        "this long, so load balancers stop sending before the listener closes.",
+    )
+    shutdown_grace_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="After SIGTERM, requests still running this long are cut with a "
+        "gateway_shutdown error (in-band for streams). The default covers the batch tier's "
+        "60 s TTFT target and a minute of decoding; keep Kubernetes' "
+        "terminationGracePeriodSeconds above drain + grace.",
+    )
     access_log: bool = Field(default=True, description="One log line per finished request.")
     log_level: str = Field(default="info", description="Python logging level.")
 

@@ -15,6 +15,7 @@ from app.record import Recorder
 from app.relay import RelayDeps
 from app.routing import Router
 from app.settings import Settings
+from app.shutdown import Shutdown
 from app.timing import Clock
 from app.workers import WorkerPool
 
@@ -34,6 +35,7 @@ class GatewayState:
     goodput: GoodputTracker
     recorder: Recorder
     relay_deps: RelayDeps
+    shutdown: Shutdown
 
 
 STATE_KEY = "gateway"
