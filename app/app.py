@@ -108,11 +108,16 @@ def create_app(
     return app
 
 
+# OpenAI's error objects carry a string code (or null), never a number.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
     return JSONResponse(
-        error_body(str(exc.detail), error_type, None, exc.status_code),
+        error_body(str(exc.detail), error_type, None, code),
         status_code=exc.status_code,
         headers=exc.headers,
     )

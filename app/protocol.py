@@ -111,6 +111,10 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
             f"Request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).",
             code="invalid_json",
         ) from exc
+    except RecursionError as exc:
+        raise InvalidRequest(
+            "Request body is nested too deeply to be read.", code="invalid_json"
+        ) from exc
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
     try:

@@ -116,6 +116,8 @@ async def test_unknown_fields_pass_through_and_non_stream_works(
         (b'{"model": "fake-model", "messages": [], "max_tokens": "5"}', 400, "invalid_type",
          "max_tokens"),
         (b'{"model": "nope", "messages": []}', 404, "model_not_found", "model"),
+        (b'{"model": "fake-model", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+         "invalid_json", None),
     ],
 )  # fmt: skip
 async def test_bad_input_gets_openai_shaped_errors(
@@ -150,7 +152,7 @@ async def test_oversized_body_is_refused_without_reading_it() -> None:
         assert r.status_code == 413
         r = await client.get(f"{url}/v1/nothing")
         assert r.status_code == 404
-        assert r.json()["error"]["code"] == 404
+        assert r.json()["error"]["code"] == "not_found"
 
 
 async def test_worker_4xx_reaches_the_client_with_its_message() -> None:
@@ -388,3 +390,45 @@ async def test_a_full_connection_pool_is_the_gateways_own_503_never_the_workers(
     assert 'gateway_worker_up{worker="fake-worker:8100"} 1.0' in metrics
     assert 'outcome="gateway_saturated"' in metrics
     assert ready.status_code == 200
+
+
+async def test_router_errors_carry_string_codes(ok_gateway: tuple[str, FakeWorker]) -> None:
+    url, _ = ok_gateway
+    async with httpx.AsyncClient(base_url=url) as client:
+        missing = await client.get("/v1/nothing-here")
+        wrong = await client.get("/v1/chat/completions")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_twenty_client_disconnects_do_not_eject_the_worker() -> None:
+    async def slow(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        if not body.get("stream"):
+            return await _ok(request, body)
+        stream = tokens(40, gap=0.05)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
+
+    worker = FakeWorker(slow)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+
+            async def leave_early() -> None:
+                async with client.stream("POST", "/v1/chat/completions", json=_chat()) as r:
+                    async for _ in r.aiter_raw():
+                        break  # the first bytes arrived: go away
+
+            await asyncio.gather(*(leave_early() for _ in range(20)))
+            await asyncio.sleep(0.2)
+            metrics = (await client.get("/metrics")).text
+            ok = await client.post("/v1/chat/completions", json=_chat(stream=False))
+    assert 'gateway_worker_ejections_total{worker="fake-worker:8100"} 0.0' in metrics
+    assert 'gateway_worker_up{worker="fake-worker:8100"} 1.0' in metrics
+    cancelled = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("gateway_requests_total{") and 'outcome="client_cancelled"' in line
+    )
+    assert cancelled == 20
+    assert ok.status_code == 200
