@@ -393,7 +393,7 @@ class Bench:
         results: dict[str, dict[str, Any]] = {}
         raw: dict[str, list[dict[str, Any]]] = {}
         timelines: dict[str, list[dict[str, float]]] = {}
-        for mode in ("on", "off"):
+        for mode in self.args.modes.split(","):
             with self.gateway(mode, name) as gateway:
                 if warmup:
                     await drive(gateway, warmup, self.keys)
@@ -472,6 +472,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--loads", default=",".join(f"{x:g}" for x in LOADS), help="x capacity, comma-separated"
     )
     parser.add_argument("--seeds", type=int, default=5, help="arrival sequences at 3x")
+    parser.add_argument("--modes", default="on,off", help="on,off (the comparison), on or off")
     parser.add_argument(
         "--skip-extra", action="store_true", help="no cold-start burst and bursty runs"
     )
@@ -508,13 +509,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"20% batch, ~350-900-token prompts, {MAX_TOKENS} tokens out. Goodput = requests "
         "meeting every SLO of their tier per second of arrivals.\n"
     )
-    print(sweep_table(report["runs"]))
     top = next((r for r in report["runs"] if r.get("load") == max(LOADS)), None)
-    if top is not None:
-        print(f"\nPer tier at {top['name']}:\n")
-        print(table(top["results"]))
-    print()
-    print("\n".join(checks(report["runs"])))
+    if args.modes == "on,off":
+        print(sweep_table(report["runs"]))
+    for shown in report["runs"] if args.modes != "on,off" else [top] if top else []:
+        print(f"\nPer tier at {shown['name']}:\n")
+        print(table(shown["results"]))
+    if args.modes == "on,off":
+        print()
+        print("\n".join(checks(report["runs"])))
     path = write_json("admission", report)
     print(f"\nwritten to {path}")
 
