@@ -8,10 +8,19 @@ JSON, not a re-serialisation of these models.
 from __future__ import annotations
 
 import json
+import re
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from app.errors import InvalidRequest
 
@@ -28,6 +37,13 @@ class Endpoint(StrEnum):
         return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
 
 
+# Token counts beyond any context window (vLLM's limits are int32): a 400, never an overflow.
+TokenCount = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+# A JSON \u escape of a UTF-16 surrogate: the only way a decoded body can hold text that does
+# not encode back to UTF-8 (a lone surrogate), which the worker's request would then fail on.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: the gateway reads ``include_usage`` and keeps everything else."""
 
@@ -41,8 +57,8 @@ class _GenerationRequest(BaseModel):
     model: StrictStr
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     user: StrictStr | None = None
 
 
@@ -115,6 +131,19 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         raise InvalidRequest(
             "Request body is nested too deeply to be read.", code="invalid_json"
         ) from exc
+    except ValueError as exc:  # a number too long to convert (Python's int digit limit)
+        raise InvalidRequest(
+            f"Request body has a number out of range: {exc}.", code="invalid_json"
+        ) from exc
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                "Request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff) that is no "
+                "character.",
+                code="invalid_unicode",
+            ) from exc
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
     try:
