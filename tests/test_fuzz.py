@@ -7,7 +7,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +17,7 @@ from app.errors import InvalidRequest
 from app.protocol import Endpoint, ParsedRequest, parse_request
 from tests.fake_upstream import MODEL, FakeWorker
 from tests.servers import settings_for
+from tests.test_gateway_fake import _ok
 
 WORKER = "http://fake-worker:8100"
 
@@ -85,18 +85,6 @@ def _parse(endpoint: Endpoint, raw: bytes) -> ParsedRequest | InvalidRequest:
         return parse_request(endpoint, raw)
     except InvalidRequest as error:
         return error
-
-
-async def _ok(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
-    return httpx.Response(
-        200,
-        json={
-            "id": "cmpl-1",
-            "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-        },
-    )
 
 
 @pytest.fixture(scope="module")

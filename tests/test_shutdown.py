@@ -101,6 +101,10 @@ async def test_sigterm_turns_not_ready_drains_and_cuts_what_outlives_the_grace(
             assert 1.3 < cut_after < 2.5
             metrics = (await client.get("/metrics")).text
         assert 'outcome="gateway_shutdown"' in metrics
+        # The cut is the gateway's doing: it never counts against the worker's health.
+        worker = f"127.0.0.1:{bound_port(server)}"
+        assert f'gateway_worker_ejections_total{{worker="{worker}"}} 0.0' in metrics
+        assert f'gateway_worker_up{{worker="{worker}"}} 1.0' in metrics
         assert 'gateway_requests_total{endpoint="chat",model="fake-model",outcome="ok"' in metrics
         await asyncio.wait_for(process.wait(), 15)
     finally:

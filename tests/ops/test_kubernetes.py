@@ -247,6 +247,22 @@ def test_gateway_has_a_disruption_budget_and_an_autoscaler(overlay: str) -> None
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rollouts_drain_gateways_and_workers_within_their_grace_periods(overlay: str) -> None:
+    """Kubernetes kills a pod at its grace period: it must outlast the drain it is given."""
+    config = _one(overlay, "ConfigMap", "goodput-gateway")["data"]
+    drain = float(config["GATEWAY_DRAIN_DELAY_S"]) + float(config["GATEWAY_SHUTDOWN_GRACE_S"])
+    gateway = _one(overlay, "Deployment", "goodput-gateway")["spec"]["template"]["spec"]
+    assert gateway["terminationGracePeriodSeconds"] > drain
+    workers = _one(overlay, "Deployment", "vllm-worker")
+    args = _container(workers)["args"]
+    timeout = float(args[args.index("--shutdown-timeout") + 1])
+    assert timeout > 0  # vLLM's default of 0 aborts running requests
+    assert workers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > timeout
+    pdb = _one(overlay, "PodDisruptionBudget", "vllm-worker")
+    assert pdb["spec"]["selector"]["matchLabels"] == workers["spec"]["selector"]["matchLabels"]
+
+
 def test_gpu_overlay_asks_for_gpus_and_a_real_model() -> None:
     workers = _one("gpu", "Deployment", "vllm-worker")
     container = _container(workers)
