@@ -199,7 +199,9 @@ async def test_overload_gets_the_sdk_a_429_with_a_computed_retry_after(
             # Requests have been queueing for the one slot and leaving it at a steady rate (a
             # drain rate is only learnt while requests wait: sequential traffic says nothing)...
             warm = await asyncio.gather(*(timed() for _ in range(12)))
-            assert all(not isinstance(reply, Exception) for reply, _ in warm), warm
+            # (Those still queued when their 1 s deadline passed got 503: the rate needs three.)
+            served = [reply for reply, _ in warm if not isinstance(reply, Exception)]
+            assert len(served) >= 3, warm
             before = await scrape(url)
             # ...when a burst far larger than what can drain within the 1 s target arrives.
             results = await asyncio.gather(*(timed() for _ in range(80)))
