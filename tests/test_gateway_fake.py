@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -432,3 +433,24 @@ async def test_twenty_client_disconnects_do_not_eject_the_worker() -> None:
     )
     assert cancelled == 20
     assert ok.status_code == 200
+
+
+async def test_a_key_with_non_ascii_characters_matches_on_its_utf8_bytes() -> None:
+    key = "sk-clé-Größe-鍵-🔑"
+    spec = {"sha256": hashlib.sha256(key.encode()).hexdigest(), "name": "unicode"}
+    settings = settings_for(WORKER, api_keys=[spec])
+    async with running_gateway(settings, FakeWorker(_ok).transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            ok = await client.post(
+                "/v1/chat/completions",
+                json=_chat(stream=False),
+                headers={b"authorization": b"Bearer " + key.encode()},  # its UTF-8 bytes
+            )
+            wrong = await client.post(
+                "/v1/chat/completions",
+                json=_chat(stream=False),
+                headers={b"authorization": b"Bearer " + key[:-1].encode()},
+            )
+    assert ok.status_code == 200
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
