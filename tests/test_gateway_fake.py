@@ -119,6 +119,17 @@ async def test_unknown_fields_pass_through_and_non_stream_works(
         (b'{"model": "nope", "messages": []}', 404, "model_not_found", "model"),
         (b'{"model": "fake-model", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
          "invalid_json", None),
+        # Issue 21's decode edge cases: each a 400, never a 500.
+        (b'{"model": "fake-model", "messages": [], "max_tokens": 1' + b"0" * 400 + b"}", 400,
+         "invalid_type", "max_tokens"),
+        (b'{"model": "fake-model", "messages": [], "max_completion_tokens": 2147483648}', 400,
+         "invalid_type", "max_completion_tokens"),
+        (b'{"model": "fake-model", "messages": [], "seed": ' + b"7" * 5000 + b"}", 400,
+         "invalid_json", None),
+        (b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+         "invalid_unicode", None),
+        (b'{"model": "fake-model", "messages": [], "user": "a\\udfffb"}', 400, "invalid_unicode",
+         None),
     ],
 )  # fmt: skip
 async def test_bad_input_gets_openai_shaped_errors(
