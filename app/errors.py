@@ -71,6 +71,13 @@ class BodyTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class InternalError(GatewayError):
+    """A fault in the gateway's own code: logged with its traceback, answered 500."""
+
+    code = "internal_error"
+    outcome = Outcome.INTERNAL_ERROR
+
+
 class UpstreamError(GatewayError):
     """Something went wrong between the gateway and a worker."""
 

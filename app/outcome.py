@@ -26,6 +26,8 @@ class Outcome(StrEnum):
     """The gateway's own resources (its connections to the workers) ran out: never a worker's
     fault, never a success."""
     INVALID_REQUEST = "invalid_request"
+    INTERNAL_ERROR = "internal_error"
+    """A fault in the gateway's own code (answered 500): never a worker's."""
 
 
 class Decision(StrEnum):

@@ -31,6 +31,7 @@ from app.errors import (
     GatewayError,
     GatewaySaturated,
     GatewayShutdown,
+    InternalError,
     UpstreamClientError,
     UpstreamInvalidResponse,
     UpstreamTimeout,
@@ -135,6 +136,14 @@ class Relay(Response):
         except* OSError:
             # The client vanished while we were writing to it.
             self._client_closed()
+        except* Exception as group:
+            # A fault in the gateway's own code: a 500 (in-band once started), logged and
+            # counted as what it is, never as the status the relay had hoped to send.
+            log.error("request %s failed in the relay", self._request_id, exc_info=group)
+            if not self._ended:
+                with contextlib.suppress(OSError):
+                    await self._fail(send, InternalError("The gateway failed this request."), None)
+            self._outcome = Outcome.INTERNAL_ERROR
         finally:
             deps.shutdown.leave(self)
             in_flight.dec()

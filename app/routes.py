@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -19,12 +17,10 @@ from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
+from app.trace import request_trace
 
 router = APIRouter()
 State = Annotated[GatewayState, Depends(get_state)]
-
-# A client's request id is echoed only if it is short and plain, so logs stay clean.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -41,7 +37,8 @@ async def completions(request: Request, state: State) -> Response:
 
 async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
     timer = RequestTimer(state.clock)
-    request_id = _request_id(request)
+    trace = request_trace(request.scope)
+    request_id = trace.request_id
     model = ""
     tier = state.settings.default_tier
     try:
@@ -63,6 +60,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
             state.auth.tiers[tier], exc.status_code, exc.outcome, summary,
             timer.clock() - timer.arrival,
         )  # fmt: skip
+        trace.recorded = True
         state.recorder.refused(end, exc)
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
@@ -75,6 +73,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         timer.arrival,
     )
     ctx = RequestContext(parsed, timer, request_id, identity, ticket, charged)
+    trace.recorded = True  # the relay records it, however it ends
     return Relay(state.relay_deps, ctx)
 
 
@@ -120,10 +119,3 @@ def _affinity_key(request: Request, parsed: ParsedRequest, header: str | None) -
         if parsed.user:
             return parsed.user
     return None
-
-
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id")
-    if given is not None and _REQUEST_ID.fullmatch(given):
-        return given
-    return uuid.uuid4().hex
