@@ -14,6 +14,9 @@ class Outcome(StrEnum):
 
     OK = "ok"
     CLIENT_CANCELLED = "client_cancelled"
+    CLIENT_STALLED = "client_stalled"
+    """The client stopped reading its stream, or sending its request, for too long: its own
+    doing, never a worker's fault."""
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
     REJECTED = "rejected"

@@ -4,7 +4,7 @@ Metrics, goodput, the key's allowance, what the worker's models learn, and the a
 
 Every generation request that got as far as its route ends here exactly once, whether the relay
 served it or it was refused before (bad body, unknown key, key quota, no worker). Every other
-response is recorded by :meth:`Recorder.plain` (from :mod:`app.trace`), so
+response is recorded by :meth:`Recorder.plain` (from :mod:`app.trace` and :mod:`app.server`), so
 that each response leaves one access-log line and one ``gateway_requests_total`` count.
 """
 

@@ -46,7 +46,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
             request.headers.get("authorization"), request.headers.get(state.settings.tier_header)
         )
         tier = identity.tier.name
-        raw = await read_body(request, state.settings.max_body_bytes)
+        raw = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
         parsed = parse_request(endpoint, raw)
         model = parsed.model
         state.router.candidates(model)  # unknown model: 404 now, before any waiting

@@ -8,8 +8,9 @@ and it is on every response.
 Generation requests (``POST`` to the two generation paths) are recorded by :mod:`app.record`,
 from the route or the relay, and their sends pass through untouched: nothing is added per
 streamed event. Every other response is recorded here, once, with the status actually sent:
-other routes, unknown paths, 404/405, and a 500 raised before a generation request reached its
-route's recording.
+other routes, unknown paths, 404/405, a request on a connection over the server's cap (answered
+here), and a 500 raised before a generation request reached its route's recording. Refusals made
+before a request has a scope (431, 408 on its headers) are recorded by :mod:`app.server`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import GatewayError, InternalError
+from app.errors import GatewayError, GatewaySaturated, InternalError
 from app.outcome import Outcome
 from app.state import STATE_KEY, GatewayState
 
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 TRACE_KEY = "gateway.trace"
 """Scope key of the request's :class:`RequestTrace`."""
+OVER_CAPACITY_KEY = "gateway.over_capacity"
+"""Scope key set by :mod:`app.server` when the request's connection is beyond the cap."""
+CLIENT_CONNECTIONS = "client_connections"
+"""The ``resource`` of ``gateway_saturated_total`` for the server's connection cap."""
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _ENDPOINTS = {
@@ -84,6 +89,8 @@ def plain_outcome(status: int, endpoint: str) -> Outcome:
     """The outcome of a response that is no generation request's, from its status."""
     if status < 400 or (endpoint == "readyz" and status == 503):
         return Outcome.OK  # /readyz answering "not ready" did what it is for
+    if status == 408:
+        return Outcome.CLIENT_STALLED
     if status < 500:
         return Outcome.INVALID_REQUEST
     return Outcome.INTERNAL_ERROR
@@ -116,7 +123,9 @@ class TraceMiddleware:
         scope[TRACE_KEY] = trace
         state = _state(scope)
         path = scope["path"]
-        if scope["method"] == "POST" and path in GENERATION_PATHS:
+        if scope.get(OVER_CAPACITY_KEY):
+            await self._over_capacity(send, trace, state, path)
+        elif scope["method"] == "POST" and path in GENERATION_PATHS:
             await self._generation(scope, receive, send, trace, state)
         else:
             await self._other(scope, receive, send, trace, state)
@@ -169,6 +178,20 @@ class TraceMiddleware:
         path = scope["path"]
         outcome = outcome or plain_outcome(status, endpoint_label(path))
         _record(state, start, trace, path, status, outcome)
+
+    @staticmethod
+    async def _over_capacity(
+        send: Send, trace: RequestTrace, state: GatewayState | None, path: str
+    ) -> None:
+        """A request on a connection beyond the server's cap: 503 at once, and close."""
+        error = GatewaySaturated(
+            "The gateway has as many client connections open as it takes; retry shortly.",
+            retry_after_s=1.0,
+        )
+        await _answer(send, error, trace.request_id, close=True)
+        if state is not None:
+            state.metrics.saturated.labels(CLIENT_CONNECTIONS).inc()
+        _record(state, None, trace, path, error.status_code, error.outcome)
 
 
 def _internal_error() -> InternalError:

@@ -1,8 +1,8 @@
 """Every response leaves one trace, and carries its request id (issue 21 finding 5, issue 22).
 
 One access-log line and one ``gateway_requests_total`` count per response, with the status that
-was sent, whatever answered it: a route, the router (404/405), the recorder of generation
-requests, or an error before the relay.
+was sent, whatever answered it: a route, the router (404/405), the server's limits (408, 431,
+503 over the connection cap), the recorder of generation requests, or an error before the relay.
 """
 
 from __future__ import annotations
@@ -46,6 +46,21 @@ def _classes(metrics: str) -> Counter[str]:
     return counts
 
 
+async def _raw(url: str, data: bytes, wait: float = 5.0) -> tuple[int, dict[str, str]]:
+    """Send ``data`` on a new connection; the status and headers of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    writer.write(data)
+    try:
+        raw = b""
+        while chunk_ := await asyncio.wait_for(reader.read(65536), wait):
+            raw += chunk_
+    finally:
+        writer.close()
+    head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:])}
+    return int(head[0].split(" ")[1]), headers
+
+
 async def test_every_response_is_logged_and_counted_once_with_the_status_sent(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -71,7 +86,10 @@ async def test_every_response_is_logged_and_counted_once_with_the_status_sent(
 
     monkeypatch.setattr("app.routes.parse_request", failing_parse)
     spec = {"sha256": hashlib.sha256(KEY.encode()).hexdigest(), "max_concurrency": 1}
-    settings = settings_for(WORKER, api_keys=[spec], access_log=True, max_body_bytes=1000)
+    settings = settings_for(
+        WORKER, api_keys=[spec], access_log=True, max_body_bytes=1000, header_timeout_s=0.5,
+        body_timeout_s=0.5, max_connections=20,
+    )  # fmt: skip
     auth = {"authorization": f"Bearer {KEY}"}
     sent: dict[str, int] = {}  # request id -> status received
     caplog.set_level(logging.INFO, logger="app.access")
@@ -114,10 +132,33 @@ async def test_every_response_is_logged_and_counted_once_with_the_status_sent(
             release.set()
             await holder.aread()
             sent["holder"] = holder.status_code
+        big = await call("big-header", "GET", "/healthz", headers={"x-big": "a" * 1_000_000})
+        assert big.headers["connection"] == "close"
+        for rid, data, wait in [
+            ("slow-head", b"GET /healthz HTTP/1.1\r\nx-request-id: slow-head\r\nhost: g", 5.0),
+            ("slow-body", b"POST /v1/completions HTTP/1.1\r\nx-request-id: slow-body\r\n"
+             b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: 50\r\n\r\n{", 5.0),
+        ]:  # fmt: skip
+            status, headers = await _raw(url, data, wait)
+            assert headers["x-request-id"] == rid
+            sent[rid] = status
+        # Over the connection cap: connections that send nothing are closed without a trace.
+        held = [
+            await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            for _ in range(20)
+        ]
+        status, headers = await _raw(
+            url, b"GET /v1/models HTTP/1.1\r\nx-request-id: capped\r\n\r\n"
+        )
+        for _, writer in held:
+            writer.close()
+        assert headers["x-request-id"] == "capped"
+        sent["capped"] = status
         await asyncio.sleep(0.2)
         after = _classes((await call("scrape-2", "GET", "/metrics")).text)
         await asyncio.sleep(0.2)
-    assert sorted(set(sent.values())) == [200, 400, 401, 403, 404, 405, 413, 429, 500]
+    assert sorted(set(sent.values())) == [200, 400, 401, 403, 404, 405, 408, 413, 429, 431, 500,
+                                          503]  # fmt: skip
     # One log line per response, with its id and the status that was sent.
     logged: dict[str, list[int]] = {}
     for record in caplog.records:
