@@ -17,7 +17,7 @@ from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
-from app.trace import request_trace
+from app.trace import ABORT_KEY, FLOW_KEY, request_trace
 
 router = APIRouter()
 State = Annotated[GatewayState, Depends(get_state)]
@@ -72,7 +72,11 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         _affinity_key(request, parsed, state.settings.affinity_header),
         timer.arrival,
     )
-    ctx = RequestContext(parsed, timer, request_id, identity, ticket, charged)
+    scope = request.scope
+    ctx = RequestContext(
+        parsed, timer, request_id, identity, ticket, charged, scope.get(ABORT_KEY),
+        scope.get(FLOW_KEY),
+    )  # fmt: skip
     trace.recorded = True  # the relay records it, however it ends
     return Relay(state.relay_deps, ctx)
 

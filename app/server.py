@@ -14,7 +14,10 @@ protocol, adds them:
   huge header turns quadratic, starving the event loop;
 * a request on a connection beyond ``limit_concurrency`` is marked in its scope and answered by
   :mod:`app.trace` with an OpenAI-shaped 503 ``gateway_saturated`` that is counted and logged;
-  uvicorn's own answer would be a bare text 503 that the app never sees.
+  uvicorn's own answer would be a bare text 503 that the app never sees;
+* each connection's kernel send buffer is fixed at ``client_send_buffer_bytes`` (not
+  autotuned, up to megabytes), and its write flow control and a way to drop it are put in the
+  request's scope: with them the relay cuts a client that stops reading (:mod:`app.relay`).
 
 A refusal is written in OpenAI's error shape with an ``x-request-id``, counted and logged like
 every response. The connection is then half-closed, and what the client still sends is read and
@@ -40,6 +43,8 @@ from app.settings import Settings
 from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.trace import (
+    ABORT_KEY,
+    FLOW_KEY,
     OVER_CAPACITY_KEY,
     endpoint_label,
     plain_outcome,
@@ -63,6 +68,7 @@ class ClientLimits:
     header_timeout_s: float
     max_header_bytes: int
     max_headers: int
+    send_buffer_bytes: int
 
 
 class GatewayProtocol(HttpToolsProtocol):
@@ -95,8 +101,14 @@ class GatewayProtocol(HttpToolsProtocol):
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        """Start the first request's header deadline: a silent connection is closed too."""
+        """Bound the kernel's send buffer; start the first request's header deadline."""
         super().connection_made(transport)
+        size = self.limits.send_buffer_bytes
+        sock = transport.get_extra_info("socket")
+        if size and sock is not None:
+            # Fixed, not autotuned: what a client that stops reading holds stays small, and its
+            # stall shows in the relay's sends soon (see app.relay).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -157,6 +169,8 @@ class GatewayProtocol(HttpToolsProtocol):
         cap = self._max_connections
         if cap is not None and len(self.connections) > cap:
             self.scope[OVER_CAPACITY_KEY] = True  # type: ignore[literal-required]
+        self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
+        self.scope[FLOW_KEY] = self.flow  # type: ignore[literal-required]
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -240,8 +254,9 @@ def protocol_class(settings: Settings) -> type[GatewayProtocol]:
 
     class Protocol(GatewayProtocol):
         limits = ClientLimits(
-            settings.header_timeout_s, settings.max_header_bytes, settings.max_headers
-        )
+            settings.header_timeout_s, settings.max_header_bytes, settings.max_headers,
+            settings.client_send_buffer_bytes,
+        )  # fmt: skip
 
     return Protocol
 

@@ -188,6 +188,21 @@ class Settings(BaseSettings):
     nonstream_timeout_s: float = Field(
         default=600.0, gt=0, description="Waiting for a whole non-streamed response."
     )
+    client_stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A streaming client that reads nothing for this long, once the server's "
+        "buffers for it are full, is cut (outcome client_stalled) and its worker request "
+        "cancelled; the worker is not blamed.",
+    )
+    client_send_buffer_bytes: int = Field(
+        default=131072,
+        ge=0,
+        description="Kernel send buffer of each client connection (SO_SNDBUF; Linux doubles "
+        "it). With uvicorn's 64 KiB write buffer it bounds what a client that stops reading "
+        "holds, and how soon its stall is seen. 0: the kernel's autotuning (up to "
+        "net.ipv4.tcp_wmem's maximum, often 4 MiB).",
+    )
     header_timeout_s: float = Field(
         default=10.0,
         gt=0,

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 TRACE_KEY = "gateway.trace"
 """Scope key of the request's :class:`RequestTrace`."""
+ABORT_KEY = "gateway.abort"
+"""Scope key of a callable that drops the connection at once (set by :mod:`app.server`)."""
+FLOW_KEY = "gateway.flow"
+"""Scope key of the connection's write flow control (set by :mod:`app.server`)."""
 OVER_CAPACITY_KEY = "gateway.over_capacity"
 """Scope key set by :mod:`app.server` when the request's connection is beyond the cap."""
 CLIENT_CONNECTIONS = "client_connections"
