@@ -1,4 +1,4 @@
-"""What the gateway exports for alerts and dashboards.
+"""What the gateway exports for alerts and dashboards, and its fail-closed keys file.
 
 SLO objectives per tier, a live goodput gauge that cannot go stale, worker counts that exist at
 zero, the peak figures MFU and MBU are measured against.
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client import generate_latest
 
+from app.auth import Authenticator
 from app.goodput import GoodputTracker
 from app.metrics import GatewayMetrics
 from app.outcome import SloResult
@@ -126,3 +128,15 @@ def test_peak_figures_are_exported_per_worker() -> None:
     # Without the model described there is no estimated roofline (the engine counts its own).
     assert sample("gateway_worker_decode_roofline_tokens_per_second", {"worker": "a:1"}) is None
 
+
+def test_a_keys_file_that_lists_no_keys_or_is_missing_refuses_to_start(tmp_path: Path) -> None:
+    """A deployment that did not fill its keys Secret must fail closed, not serve openly."""
+    empty = tmp_path / "api-keys.json"
+    empty.write_text("[]\n")
+    with pytest.raises(ValueError, match="lists no API keys, so the gateway refuses to start"):
+        Authenticator(settings_for("http://a:1", api_keys_file=str(empty)), FakeClock())
+    missing = tmp_path / "absent.json"
+    with pytest.raises(ValueError, match=r"absent\.json cannot be read"):
+        Authenticator(settings_for("http://a:1", api_keys_file=str(missing)), FakeClock())
+    # Without a keys file (make run) the gateway runs without keys, as before.
+    assert not Authenticator(settings_for("http://a:1"), FakeClock()).enabled
