@@ -4,6 +4,7 @@ what the gateway and the workers need (probes, hardening, DNS discovery, GPUs, d
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -166,7 +167,8 @@ def test_prometheusrule_carries_every_rule_promtool_checks(overlay: str) -> None
     assert rule["spec"]["groups"] == [g for f in files for g in f["groups"]]
     names = [r.get("alert") or r.get("record") for g in rule["spec"]["groups"] for r in g["rules"]]
     assert "GatewayDown" in names
-    assert "tier:gateway_goodput:ratio_rate5m" in names
+    assert "tier_model:gateway_slo_requests_unmet_per_gateway_slo_requests:ratio_rate1h" in names
+    assert "GatewayErrorBudgetBurn" in names
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -324,3 +326,21 @@ def test_servicemonitors_scrape_gateway_and_workers(overlay: str) -> None:
     )
     (endpoint,) = workers["spec"]["endpoints"]
     assert {"sourceLabels": ["__address__"], "targetLabel": "worker"} in endpoint["relabelings"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_target_alerts_select_the_servicemonitors_job_names(overlay: str) -> None:
+    """A ServiceMonitor's job label is its Service's name: the alerts must select those."""
+    rule = _one(overlay, "PrometheusRule", "goodput-gateway")
+    exprs = {
+        r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    }
+    services = {o["metadata"]["name"] for o in _objects(overlay) if o["kind"] == "Service"}
+    assert {"goodput-gateway", "vllm-workers"} <= services
+    for monitor in ("goodput-gateway", "vllm-workers"):
+        assert "jobLabel" not in _one(overlay, "ServiceMonitor", monitor)["spec"]
+    assert 'up{job="goodput-gateway"}' in exprs["GatewayDown"]
+    assert 'up{job="goodput-gateway"}' in exprs["GatewayTargetMissing"]
+    for alert in ("GatewayWorkerTargetDown", "GatewayWorkerTargetsMissing"):
+        (regex,) = re.findall(r'up\{job=~"([^"]+)"\}', exprs[alert])
+        assert re.fullmatch(regex, "vllm-workers"), alert
