@@ -144,6 +144,22 @@ def test_compose_gpu_profile_adds_a_gpu_worker() -> None:
     assert gpu["profiles"] == ["gpu"]
 
 
+def test_compose_grafana_and_prometheus_are_local_and_grafana_has_no_default_admin() -> None:
+    """Grafana: anonymous viewers only, no admin/admin account, on loopback; Prometheus (no
+    authentication at all) on loopback too."""
+    services = _config()["services"]
+    for name, port in (("grafana", 3000), ("prometheus", 9090)):
+        (published,) = services[name]["ports"]
+        assert published["target"] == port
+        assert published["host_ip"] == "127.0.0.1", name
+    env = services["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
+    assert env.get("GF_SECURITY_ADMIN_PASSWORD", "") in {"", None}
+    assert "admin" not in {env.get("GF_SECURITY_ADMIN_PASSWORD"), env.get("GF_SECURITY_ADMIN_USER")}
+
+
 def test_compose_services_are_healthchecked_and_wait_for_health() -> None:
     services = _config("gpu")["services"]
     for name, service in services.items():
@@ -160,22 +176,6 @@ def test_compose_services_are_healthchecked_and_wait_for_health() -> None:
     for name in ("gateway", "prometheus", "grafana"):
         assert services[name]["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in services[name]["security_opt"], name
-
-
-def test_compose_grafana_and_prometheus_are_local_and_grafana_has_no_default_admin() -> None:
-    """Grafana: anonymous viewers only, no admin/admin account, on loopback; Prometheus (no
-    authentication at all) on loopback too."""
-    services = _config()["services"]
-    for name, port in (("grafana", 3000), ("prometheus", 9090)):
-        (published,) = services[name]["ports"]
-        assert published["target"] == port
-        assert published["host_ip"] == "127.0.0.1", name
-    env = services["grafana"]["environment"]
-    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
-    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
-    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
-    assert env.get("GF_SECURITY_ADMIN_PASSWORD", "") in {"", None}
-    assert "admin" not in {env.get("GF_SECURITY_ADMIN_PASSWORD"), env.get("GF_SECURITY_ADMIN_USER")}
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
