@@ -12,6 +12,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import TypeAdapter
 
@@ -82,6 +83,25 @@ class Identity:
     tier: TierSpec
 
 
+def _keys_file(path: Path) -> list[ApiKeySpec]:
+    """The keys ``path`` lists.
+
+    A file that cannot be read or lists none is refused: it was configured to protect the
+    gateway, and running without keys would leave it open.
+    """
+    try:
+        keys = _KEYS.validate_python(json.loads(path.read_text()))
+    except OSError as exc:
+        raise ValueError(f"GATEWAY_API_KEYS_FILE {path} cannot be read: {exc}") from exc
+    if not keys:
+        raise ValueError(
+            f"GATEWAY_API_KEYS_FILE {path} lists no API keys, so the gateway refuses to start "
+            "rather than serve without them: list the SHA-256 of each client key in it (see "
+            "docs/deploy.md, API keys), or unset GATEWAY_API_KEYS_FILE to run without keys"
+        )
+    return keys
+
+
 class Authenticator:
     """Maps a request's ``Authorization`` header to an :class:`Identity`."""
 
@@ -90,7 +110,7 @@ class Authenticator:
         self._default = self.tiers[settings.default_tier]
         specs = list(settings.api_keys)
         if settings.api_keys_file is not None:
-            specs += _KEYS.validate_python(json.loads(settings.api_keys_file.read_text()))
+            specs += _keys_file(settings.api_keys_file)
         for spec in specs:
             if spec.tier not in self.tiers:
                 raise ValueError(
