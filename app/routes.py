@@ -51,10 +51,12 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         tier = identity.tier.name
         raw = await read_body(request, state.settings.max_body_bytes)
         parsed = parse_request(endpoint, raw)
+        if not parsed.model:
+            parsed.model = state.router.default_model()
         model = parsed.model
         state.router.candidates(model)  # unknown model: 404 now, before any waiting
         own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
-        charged = own_tokens + float(parsed.max_tokens or 0)
+        charged = own_tokens + float(parsed.max_tokens or 0) * parsed.n
         state.auth.acquire(identity, charged)
     except GatewayError as exc:
         summary = timer.summary(None)
