@@ -10,6 +10,7 @@ from types import FrameType
 import uvicorn
 
 from app.app import create_app
+from app.arrival import FirstByteProtocol
 from app.settings import Settings
 from app.shutdown import Shutdown
 
@@ -66,7 +67,7 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=FirstByteProtocol,
         access_log=False,
         log_level=settings.log_level.lower(),
         # Counted from when the listener closes, after the drain delay.

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from app.admission import Ticket
+from app.arrival import arrival
 from app.body import read_body
 from app.errors import GatewayError
 from app.protocol import Endpoint, ParsedRequest, parse_request
@@ -40,7 +41,7 @@ async def completions(request: Request, state: State) -> Response:
 
 
 async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
-    timer = RequestTimer(state.clock)
+    timer = RequestTimer(state.clock, arrival(request, state.clock))
     request_id = _request_id(request)
     model = ""
     tier = state.settings.default_tier

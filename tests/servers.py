@@ -11,6 +11,7 @@ import httpx
 import uvicorn
 
 from app.app import create_app
+from app.arrival import FirstByteProtocol
 from app.settings import Settings
 
 
@@ -32,7 +33,7 @@ async def running_gateway(
         create_app(settings, transport=transport),
         host="127.0.0.1",
         port=port,
-        http="httptools",
+        http=FirstByteProtocol,
         log_level="warning",
         access_log=False,
         lifespan="on",
