@@ -29,6 +29,7 @@ from app.settings import Settings
 from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
+from app.trace import TraceMiddleware
 from app.upstream import UpstreamSlots, make_client
 from app.workers import WorkerPool
 
@@ -107,6 +108,7 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(router)
+    app.add_middleware(TraceMiddleware)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app

@@ -124,7 +124,7 @@ class Authenticator:
             scheme, _, token = (authorization or "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'.")
-            digest = hashlib.sha256(token.strip().encode()).hexdigest()
+            digest = hashlib.sha256(_header_bytes(token.strip())).hexdigest()
             key = self._keys.get(digest)
             if key is None:
                 raise AuthenticationFailed("Incorrect API key provided.")
@@ -176,3 +176,16 @@ class Authenticator:
         key.in_flight -= 1
         if key.bucket is not None and used_tokens is not None:
             key.bucket.charge(used_tokens - estimated_tokens)
+
+
+def _header_bytes(value: str) -> bytes:
+    """The bytes the client sent for a header value.
+
+    ASGI passes header values as bytes and Starlette decodes them as latin-1, so encoding back
+    as latin-1 restores them: a key with non-ASCII characters is hashed on its UTF-8 bytes, as
+    its configured SHA-256 was. A string that did not come from a header is encoded as UTF-8.
+    """
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode()

@@ -63,7 +63,12 @@ def judge(
         return slo_result(tier, timing, tokens, stream)
     if outcome in (Outcome.REJECTED, Outcome.GATEWAY_SATURATED):
         return SloResult.REJECTED
-    if outcome in (Outcome.UPSTREAM_ERROR, Outcome.TIMEOUT, Outcome.GATEWAY_SHUTDOWN):
+    if outcome in (
+        Outcome.UPSTREAM_ERROR,
+        Outcome.TIMEOUT,
+        Outcome.GATEWAY_SHUTDOWN,
+        Outcome.INTERNAL_ERROR,
+    ):
         return SloResult.ERRORED
     if outcome is Outcome.CLIENT_CANCELLED:
         if not stream:

@@ -2,53 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import socket
-from types import FrameType
-
-import uvicorn
 
 from app.app import create_app
-from app.arrival import FirstByteProtocol
+from app.server import GatewayServer, server_config
 from app.settings import Settings
 from app.shutdown import Shutdown
-
-# How long uvicorn waits beyond the gateway's own grace period before it cancels what is left:
-# by then the gateway has cut every request with an error its client can read.
-_CANCEL_MARGIN_S = 5.0
-
-
-class GatewayServer(uvicorn.Server):
-    """uvicorn's server with a drain (:mod:`app.shutdown`).
-
-    The first SIGTERM or SIGINT starts the drain, and the listener closes only after its delay;
-    a second signal stops at once.
-    """
-
-    def __init__(self, config: uvicorn.Config, shutdown: Shutdown) -> None:
-        super().__init__(config)
-        self._shutdown = shutdown
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Remember the loop the signal handler hands the drain to."""
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """Start the drain, or stop now if it had started."""
-        loop = self._loop
-        if self._shutdown.draining or loop is None:
-            super().handle_exit(sig, frame)
-            return
-        # A signal handler runs between two bytecodes of the loop's thread: hand over safely.
-        loop.call_soon_threadsafe(self._drain, sig)
-
-    def _drain(self, sig: int) -> None:
-        assert self._loop is not None
-        self._shutdown.begin(self._loop)
-        self._loop.call_later(self._shutdown.drain_delay_s, super().handle_exit, sig, None)
 
 
 def main() -> None:
@@ -62,19 +21,7 @@ def main() -> None:
     # and health probes alone. Failures are logged by the gateway itself.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     shutdown = Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
-    config = uvicorn.Config(
-        create_app(settings, shutdown=shutdown),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http=FirstByteProtocol,
-        access_log=False,
-        log_level=settings.log_level.lower(),
-        # Counted from when the listener closes, after the drain delay.
-        timeout_graceful_shutdown=max(
-            1, round(settings.shutdown_grace_s - settings.drain_delay_s + _CANCEL_MARGIN_S)
-        ),
-    )
+    config = server_config(create_app(settings, shutdown=shutdown), settings)
     GatewayServer(config, shutdown).run()
 
 

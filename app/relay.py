@@ -9,6 +9,14 @@ stream closes without ``[DONE]``.
 Streams are relayed event by event as they arrive: no buffering, no merging, no splitting. A
 client that disconnects cancels the worker request at once (the worker sees its connection
 close and aborts the generation).
+
+A client that stops reading is its own problem, never the worker's. Its stream's buffer is
+bounded by the server: uvicorn waits (the send blocks) once its transport holds more than its
+write high-water mark (64 KiB), beyond what the kernel's socket send buffer holds (see
+``client_send_buffer_bytes``). A send blocked for ``client_stall_timeout_s`` ends the stream as
+``client_stalled``: the worker request is cancelled, the slot freed, the connection dropped,
+and the worker's health is not touched. The worker's idle timeout counts only the time the
+relay was ready to read the worker.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ import contextlib
 import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from starlette.responses import Response
@@ -28,9 +37,11 @@ from starlette.types import Message, Receive, Scope, Send
 from app.admission import AdmissionController, Ticket
 from app.auth import Identity
 from app.errors import (
+    ClientStalled,
     GatewayError,
     GatewaySaturated,
     GatewayShutdown,
+    InternalError,
     UpstreamClientError,
     UpstreamInvalidResponse,
     UpstreamTimeout,
@@ -69,6 +80,15 @@ _SSE_HEADERS = [
 ]
 
 
+class WriteFlow(Protocol):
+    """Whether the server holds back writes to a client (its write buffer is over its mark).
+
+    uvicorn's ``FlowControl``: while ``write_paused``, the next ``send`` waits for the client.
+    """
+
+    write_paused: bool
+
+
 @dataclass(slots=True)
 class RelayDeps:
     """What every relay needs from the running app."""
@@ -95,6 +115,10 @@ class RequestContext:
     ticket: Ticket
     charged_tokens: float
     """Tokens charged to the key's per-minute allowance up front (corrected at the end)."""
+    abort: Callable[[], None] | None = None
+    """Drops the client's connection at once, unflushed (the server's, when it offers one)."""
+    flow: WriteFlow | None = None
+    """The server's write flow control of the client's connection, when it offers it."""
 
 
 class Relay(Response):
@@ -144,6 +168,14 @@ class Relay(Response):
         except* OSError:
             # The client vanished while we were writing to it.
             self._client_closed()
+        except* Exception as group:
+            # A fault in the gateway's own code: a 500 (in-band once started), logged and
+            # counted as what it is, never as the status the relay had hoped to send.
+            log.error("request %s failed in the relay", self._request_id, exc_info=group)
+            if not self._ended:
+                with contextlib.suppress(OSError):
+                    await self._fail(send, InternalError("The gateway failed this request."), None)
+            self._outcome = Outcome.INTERNAL_ERROR
         finally:
             deps.shutdown.leave(self)
             in_flight.dec()
@@ -192,6 +224,10 @@ class Relay(Response):
                 # The client's mistake, or the gateway's own limit: never the worker's fault.
                 await self._fail(send, error, None)
                 return
+            except ClientStalled as error:
+                self._outcome = error.outcome  # not the worker's fault either
+                self._drop_client()
+                return
             except GatewayError as error:
                 self._timer.attempt_failed()
                 deps.pool.report_failure(lease.worker, error.code or "error")
@@ -210,6 +246,11 @@ class Relay(Response):
                 tried.add(lease.worker.label)
             finally:
                 self._release(self._lease)
+
+    def _drop_client(self) -> None:
+        """Drop the connection of a client that reads nothing (a graceful close would wait)."""
+        if self._ctx.abort is not None:
+            self._ctx.abort()
 
     def _release(self, lease: Lease) -> None:
         now = self._timer.clock()
@@ -262,7 +303,8 @@ class Relay(Response):
             if settings.request_timeout_s is None
             else loop.time() + settings.request_timeout_s - (clock() - timer.arrival)
         )
-        idle = settings.idle_timeout_s
+        idle, stall = settings.idle_timeout_s, settings.client_stall_timeout_s
+        flow, sending = self._ctx.flow, False
         keep_usage = request.wants_usage
         # The worker was asked for a usage chunk the client did not ask for; vLLM then also
         # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
@@ -333,24 +375,43 @@ class Relay(Response):
                             outputs, held, held_outputs = outputs + held_outputs, None, 0
                         out.append(event)
                         outputs += kind is EventKind.OUTPUT
-                    sent = await self._relay(send, out, outputs) if out else clock()
+                    if out:
+                        # A send waits while the client does not read (the server's write
+                        # buffer is full): the stall timeout's time, never the worker's. The one
+                        # deadline serves both; it is moved only when a send may wait.
+                        if not self._started or flow is None or flow.write_paused:
+                            sending = True
+                            deadline.reschedule(_earliest(loop.time() + stall, total_at))
+                        sent = await self._relay(send, out, outputs)
+                        if sending:
+                            sending = False
+                            if last_received is None:
+                                deadline.reschedule(_earliest(deadline_at, total_at))
+                    else:
+                        sent = clock()
                     if last_received is not None:
                         deadline.reschedule(_earliest(loop.time() + idle, total_at))
                     timer.add_overhead(sent - received)
-            if held:
-                await self._relay(send, held, held_outputs)
-            if not done:
-                raise UpstreamInvalidResponse(
-                    f"Worker {worker.label} closed the stream before [DONE]."
-                )
+                sending = True  # the end of the body waits for a client that does not read, too
+                deadline.reschedule(_earliest(loop.time() + stall, total_at))
+                if held:
+                    await self._relay(send, held, held_outputs)
+                if not done:
+                    raise UpstreamInvalidResponse(
+                        f"Worker {worker.label} closed the stream before [DONE]."
+                    )
+                await self._end_body(send, b"")
         except TimeoutError as exc:
+            if sending:
+                raise ClientStalled(
+                    f"The client read nothing for {stall:g} s; its stream was cut."
+                ) from exc
             what = "the first token" if last_received is None else "the next event"
             raise UpstreamTimeout(f"Worker {worker.label} timed out waiting for {what}.") from exc
         except httpx.TransportError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
-        await self._end_body(send, b"")
 
     async def _relay(self, send: Send, events: list[bytes], outputs: int) -> float:
         """Send whole events, ``outputs`` of them carrying output; return when they were sent.
@@ -452,7 +513,11 @@ class Relay(Response):
         self._status = error.status_code
         event = b"data: " + error.to_json() + b"\n\n"
         # The stream ends without [DONE], so clients cannot mistake it for a complete answer.
-        await self._end_body(send, event)
+        try:
+            async with asyncio.timeout(self._deps.settings.client_stall_timeout_s):
+                await self._end_body(send, event)
+        except TimeoutError:
+            self._drop_client()
 
     async def _end_body(self, send: Send, body: bytes) -> None:
         """Send the last part of the body: the response is complete after this."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -20,12 +18,10 @@ from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
+from app.trace import ABORT_KEY, FLOW_KEY, request_trace
 
 router = APIRouter()
 State = Annotated[GatewayState, Depends(get_state)]
-
-# A client's request id is echoed only if it is short and plain, so logs stay clean.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -42,7 +38,8 @@ async def completions(request: Request, state: State) -> Response:
 
 async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
     timer = RequestTimer(state.clock, arrival(request, state.clock))
-    request_id = _request_id(request)
+    trace = request_trace(request.scope)
+    request_id = trace.request_id
     model = ""
     tier = state.settings.default_tier
     try:
@@ -50,7 +47,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
             request.headers.get("authorization"), request.headers.get(state.settings.tier_header)
         )
         tier = identity.tier.name
-        raw = await read_body(request, state.settings.max_body_bytes)
+        raw = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
         parsed = parse_request(endpoint, raw)
         if not parsed.model:
             parsed.model = state.router.default_model()
@@ -66,6 +63,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
             state.auth.tiers[tier], exc.status_code, exc.outcome, summary,
             timer.clock() - timer.arrival,
         )  # fmt: skip
+        trace.recorded = True
         state.recorder.refused(end, exc)
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
@@ -77,7 +75,12 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         _affinity_key(request, parsed, state.settings.affinity_header),
         timer.arrival,
     )
-    ctx = RequestContext(parsed, timer, request_id, identity, ticket, charged)
+    scope = request.scope
+    ctx = RequestContext(
+        parsed, timer, request_id, identity, ticket, charged, scope.get(ABORT_KEY),
+        scope.get(FLOW_KEY),
+    )  # fmt: skip
+    trace.recorded = True  # the relay records it, however it ends
     return Relay(state.relay_deps, ctx)
 
 
@@ -123,10 +126,3 @@ def _affinity_key(request: Request, parsed: ParsedRequest, header: str | None) -
         if parsed.user:
             return parsed.user
     return None
-
-
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id")
-    if given is not None and _REQUEST_ID.fullmatch(given):
-        return given
-    return uuid.uuid4().hex

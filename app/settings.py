@@ -188,6 +188,48 @@ class Settings(BaseSettings):
     nonstream_timeout_s: float = Field(
         default=600.0, gt=0, description="Waiting for a whole non-streamed response."
     )
+    client_stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A streaming client that reads nothing for this long, once the server's "
+        "buffers for it are full, is cut (outcome client_stalled) and its worker request "
+        "cancelled; the worker is not blamed.",
+    )
+    client_send_buffer_bytes: int = Field(
+        default=131072,
+        ge=0,
+        description="Kernel send buffer of each client connection (SO_SNDBUF; Linux doubles "
+        "it). With uvicorn's 64 KiB write buffer it bounds what a client that stops reading "
+        "holds, and how soon its stall is seen. 0: the kernel's autotuning (up to "
+        "net.ipv4.tcp_wmem's maximum, often 4 MiB).",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A connection's opening (or a later request's first byte) to the end of "
+        "its headers; 408 and close beyond.",
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="End of the headers to the end of the body (408 beyond)."
+    )
+    keep_alive_timeout_s: int = Field(
+        default=20,
+        ge=1,
+        description="An idle keep-alive connection is closed after this long. Keep it above "
+        "the clients' pool expiry (httpx: 5 s) and a load balancer's idle timeout.",
+    )
+    max_header_bytes: int = Field(
+        default=32768, ge=1024, description="Request line and headers, in bytes (431 beyond)."
+    )
+    max_headers: int = Field(
+        default=100, ge=8, description="Header fields in one request (431 beyond)."
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Open client connections; a request on one beyond it gets 503 "
+        "gateway_saturated at once.",
+    )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
     )

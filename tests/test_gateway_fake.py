@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -128,6 +129,17 @@ async def test_unknown_fields_pass_through_and_non_stream_works(
         (b'{"model": "nope", "messages": []}', 404, "model_not_found", "model"),
         (b'{"model": "fake-model", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
          "invalid_json", None),
+        # Issue 21's decode edge cases: each a 400, never a 500.
+        (b'{"model": "fake-model", "messages": [], "max_tokens": 1' + b"0" * 400 + b"}", 400,
+         "invalid_type", "max_tokens"),
+        (b'{"model": "fake-model", "messages": [], "max_completion_tokens": 2147483648}', 400,
+         "invalid_type", "max_completion_tokens"),
+        (b'{"model": "fake-model", "messages": [], "seed": ' + b"7" * 5000 + b"}", 400,
+         "invalid_json", None),
+        (b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+         "invalid_unicode", None),
+        (b'{"model": "fake-model", "messages": [], "user": "a\\udfffb"}', 400, "invalid_unicode",
+         None),
     ],
 )  # fmt: skip
 async def test_bad_input_gets_openai_shaped_errors(
@@ -502,3 +514,24 @@ async def test_twenty_client_disconnects_do_not_eject_the_worker() -> None:
     )
     assert cancelled == 20
     assert ok.status_code == 200
+
+
+async def test_a_key_with_non_ascii_characters_matches_on_its_utf8_bytes() -> None:
+    key = "sk-clé-Größe-鍵-🔑"
+    spec = {"sha256": hashlib.sha256(key.encode()).hexdigest(), "name": "unicode"}
+    settings = settings_for(WORKER, api_keys=[spec])
+    async with running_gateway(settings, FakeWorker(_ok).transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            ok = await client.post(
+                "/v1/chat/completions",
+                json=_chat(stream=False),
+                headers={b"authorization": b"Bearer " + key.encode()},  # its UTF-8 bytes
+            )
+            wrong = await client.post(
+                "/v1/chat/completions",
+                json=_chat(stream=False),
+                headers={b"authorization": b"Bearer " + key[:-1].encode()},
+            )
+    assert ok.status_code == 200
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"

@@ -155,6 +155,29 @@ def test_compose_services_are_healthchecked_and_wait_for_health() -> None:
         assert "no-new-privileges:true" in services[name]["security_opt"], name
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration (``2m15s``, ``135s``, ``1h``) in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts, duration
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_compose_stops_drain_gateway_and_workers_within_their_grace_periods() -> None:
+    """`docker compose stop` kills at stop_grace_period: it must outlast each drain."""
+    services = _config("gpu")["services"]
+    gateway = services["gateway"]
+    env = gateway["environment"]
+    drain = float(env["GATEWAY_DRAIN_DELAY_S"]) + float(env["GATEWAY_SHUTDOWN_GRACE_S"])
+    assert _seconds(gateway["stop_grace_period"]) > drain
+    for name in ("vllm", "vllm-gpu"):
+        command = services[name]["command"]
+        timeout = float(command[command.index("--shutdown-timeout") + 1])
+        assert timeout > 0, name  # vLLM's default of 0 aborts running requests
+        assert _seconds(services[name]["stop_grace_period"]) > timeout, name
+
+
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
     """The validator is not vacuous: a dependency on an undefined service is refused."""
     text = COMPOSE.read_text().replace("condition: service_healthy", "condition: service_happy", 1)
