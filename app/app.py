@@ -18,6 +18,7 @@ from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
 from app.goodput import GoodputTracker
 from app.limits import Limits
+from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.record import Recorder
@@ -63,6 +64,8 @@ def create_app(
         goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
         recorder = Recorder(settings, metrics, goodput, auth, sizer, pool, limits)
+        lag = LoopLagProbe(metrics.loop_lag)
+        lag.start()
         try:
             await pool.start(first_wait=settings.connect_timeout_s)
             log.info(
@@ -92,6 +95,7 @@ def create_app(
                 )
             }
         finally:
+            lag.stop()
             await admission.stop()
             await pool.stop()
             await client.aclose()

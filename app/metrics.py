@@ -12,6 +12,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from app.loadsignals import LoadSample
+from app.looplag import LAG_BUCKETS
 from app.outcome import DECISION_REASONS, Decision, Reason, SloResult
 from app.protocol import Endpoint
 from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
@@ -76,6 +77,11 @@ class GatewayMetrics:
             "gateway_overhead_seconds",
             "Time spent in the gateway's own code per request, not waiting on worker or client.",
             by_model, buckets=OVERHEAD_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the event loop ran a callback due at a known time (probed every 0.25 s).",
+            buckets=LAG_BUCKETS, registry=reg,
         )  # fmt: skip
         self.failover = Histogram(
             "gateway_failover_seconds",

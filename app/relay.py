@@ -55,7 +55,16 @@ from app.record import Recorder, RequestEnd
 from app.routing import Choice, Router
 from app.settings import Settings
 from app.shutdown import Shutdown
-from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
+from app.sse import (
+    FINISH,
+    EventKind,
+    EventSplitter,
+    classify,
+    event_json,
+    fingerprint_member,
+    usage_counts,
+    with_fingerprint,
+)
 from app.timing import RequestTimer
 from app.upstream import UpstreamSlots, worker_response
 from app.workers import WorkerPool
@@ -297,9 +306,18 @@ class Relay(Response):
         idle, stall = settings.idle_timeout_s, settings.client_stall_timeout_s
         flow, sending = self._ctx.flow, False
         keep_usage = request.wants_usage
+        # The worker was asked for a usage chunk the client did not ask for; vLLM then also
+        # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
+        restore = not keep_usage
         splitter = EventSplitter()
         worker = lease.worker
         done = False
+        first = True
+        last_received: float | None = None
+        # Events held, in order, from a finish chunk until the usage chunk tells the worker's
+        # fingerprint: only while the gateway has not seen this worker's yet.
+        held: list[bytes] | None = None
+        held_outputs = 0
         self._tokens = None
         try:
             async with (
@@ -311,24 +329,52 @@ class Relay(Response):
                     events = splitter.feed(data)
                     if not events:
                         continue
+                    if first:
+                        first = False
+                        head = events[0]
+                        if restore and b'"usage"' in head and classify(head) is not EventKind.USAGE:
+                            # The worker sends usage whatever was asked
+                            # (--enable-force-include-usage): so it does to the client directly.
+                            keep_usage, restore = True, False
                     out: list[bytes] = []
+                    outputs = 0
                     for event in events:
                         kind = classify(event)
                         if kind is EventKind.OUTPUT:
-                            if not timer.output_events:
+                            if last_received is None:
                                 self._first_output(lease, received)
                             else:
-                                self._output_gap(lease, received - timer.last_output, received)
-                            timer.output(received)
+                                self._output_gap(lease, received - last_received, received)
+                            last_received = received
                         elif kind is EventKind.USAGE:
-                            self._tokens = parse_usage(event) or self._tokens
+                            payload = event_json(event)
+                            self._tokens = usage_counts(payload) or self._tokens
+                            if restore:
+                                worker.fingerprint = fingerprint_member(payload)
+                                if held is not None:
+                                    out.extend(_restored(held, worker.fingerprint))
+                                    outputs, held, held_outputs = outputs + held_outputs, None, 0
                             if not keep_usage:
                                 continue
                         elif kind is EventKind.DONE:
                             done = True
                         elif kind is EventKind.ERROR:
                             self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
+                        if restore and FINISH in event:
+                            member = worker.fingerprint
+                            if member is not None:
+                                event = with_fingerprint(event, member)
+                            elif held is None:
+                                held = []
+                        if held is not None:
+                            if kind is not EventKind.DONE and kind is not EventKind.ERROR:
+                                held.append(event)
+                                held_outputs += kind is EventKind.OUTPUT
+                                continue
+                            out.extend(held)  # no usage chunk came: the fingerprint is unknown
+                            outputs, held, held_outputs = outputs + held_outputs, None, 0
                         out.append(event)
+                        outputs += kind is EventKind.OUTPUT
                     if out:
                         # A send waits while the client does not read (the server's write
                         # buffer is full): the stall timeout's time, never the worker's. The one
@@ -336,35 +382,52 @@ class Relay(Response):
                         if not self._started or flow is None or flow.write_paused:
                             sending = True
                             deadline.reschedule(_earliest(loop.time() + stall, total_at))
-                        if not self._started:
-                            await self._start(send, 200, _SSE_HEADERS)
-                        body = out[0] if len(out) == 1 else b"".join(out)
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                        sent = await self._relay(send, out, outputs)
                         if sending:
                             sending = False
-                            if not timer.output_events:
+                            if last_received is None:
                                 deadline.reschedule(_earliest(deadline_at, total_at))
-                    if timer.output_events:
+                    else:
+                        sent = clock()
+                    if last_received is not None:
                         deadline.reschedule(_earliest(loop.time() + idle, total_at))
-                    timer.add_overhead(clock() - received)
+                    timer.add_overhead(sent - received)
+                sending = True  # the end of the body waits for a client that does not read, too
+                deadline.reschedule(_earliest(loop.time() + stall, total_at))
+                if held:
+                    await self._relay(send, held, held_outputs)
                 if not done:
                     raise UpstreamInvalidResponse(
                         f"Worker {worker.label} closed the stream before [DONE]."
                     )
-                sending = True  # the end of the body waits for a client that does not read, too
-                deadline.reschedule(_earliest(loop.time() + stall, total_at))
                 await self._end_body(send, b"")
         except TimeoutError as exc:
             if sending:
                 raise ClientStalled(
                     f"The client read nothing for {stall:g} s; its stream was cut."
                 ) from exc
-            what = "the first token" if timer.output_events == 0 else "the next event"
+            what = "the first token" if last_received is None else "the next event"
             raise UpstreamTimeout(f"Worker {worker.label} timed out waiting for {what}.") from exc
         except httpx.TransportError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
+
+    async def _relay(self, send: Send, events: list[bytes], outputs: int) -> float:
+        """Send whole events, ``outputs`` of them carrying output; return when they were sent.
+
+        The output events are timed when ``send`` returns, their bytes handed to the socket:
+        the moment the client can have them, not when the worker's bytes came in.
+        """
+        if not self._started:
+            await self._start(send, 200, _SSE_HEADERS)
+        body = events[0] if len(events) == 1 else b"".join(events)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        timer = self._timer
+        sent = timer.clock()
+        for _ in range(outputs):
+            timer.output(sent)
+        return sent
 
     def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[httpx.Response]:
         """The worker's response to this request, sent now (the dispatch time is marked)."""
@@ -394,17 +457,19 @@ class Relay(Response):
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the response: {type(exc).__name__}."
             ) from exc
-        self._end = timer.clock()
+        received = timer.clock()
         try:
             payload: Any = json.loads(raw)
         except ValueError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} sent a response that is not JSON."
             ) from exc
-        self._first_output(lease, self._end)
+        self._first_output(lease, received)
         self._tokens = usage_counts(payload)
+        worker.fingerprint = fingerprint_member(payload)
         await self._start(send, status, [(b"content-type", content_type)])
         await self._end_body(send, raw)
+        self._end = timer.clock()  # handed to the socket: when the client can have it
 
     @functools.cached_property
     def _upstream_body(self) -> bytes:
@@ -478,6 +543,11 @@ class Relay(Response):
             lease=self._lease,
         )
         self._deps.recorder.finish(end)
+
+
+def _restored(held: list[bytes], member: bytes) -> list[bytes]:
+    """Held events with the fingerprint put back on their finish chunks."""
+    return [with_fingerprint(event, member) if FINISH in event else event for event in held]
 
 
 def _earliest(a: float, b: float | None) -> float:

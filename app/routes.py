@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from app.admission import Ticket
+from app.arrival import arrival
 from app.body import read_body
 from app.errors import GatewayError
 from app.protocol import Endpoint, ParsedRequest, parse_request
@@ -36,7 +37,7 @@ async def completions(request: Request, state: State) -> Response:
 
 
 async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
-    timer = RequestTimer(state.clock)
+    timer = RequestTimer(state.clock, arrival(request, state.clock))
     trace = request_trace(request.scope)
     request_id = trace.request_id
     model = ""
@@ -48,10 +49,12 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         tier = identity.tier.name
         raw = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
         parsed = parse_request(endpoint, raw)
+        if not parsed.model:
+            parsed.model = state.router.default_model()
         model = parsed.model
         state.router.candidates(model)  # unknown model: 404 now, before any waiting
         own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
-        charged = own_tokens + float(parsed.max_tokens or 0)
+        charged = own_tokens + float(parsed.max_tokens or 0) * parsed.n
         state.auth.acquire(identity, charged)
     except GatewayError as exc:
         summary = timer.summary(None)

@@ -12,6 +12,7 @@ protocol, adds them:
   bytes are counted as httptools reports the URL and each header, and also as they arrive,
   before httptools has gathered them: it joins the pieces of a long header by copying, which a
   huge header turns quadratic, starving the event loop;
+* the moment each request's first byte was read is noted in its scope (:mod:`app.arrival`);
 * a request on a connection beyond ``limit_concurrency`` is marked in its scope and answered by
   :mod:`app.trace` with an OpenAI-shaped 503 ``gateway_saturated`` that is counted and logged;
   uvicorn's own answer would be a bare text 503 that the app never sees;
@@ -38,6 +39,7 @@ from typing import Any, ClassVar
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.arrival import FIRST_BYTE_KEY
 from app.errors import error_body
 from app.settings import Settings
 from app.shutdown import Shutdown
@@ -136,10 +138,16 @@ class GatewayProtocol(HttpToolsProtocol):
     # every callback below then does nothing.
 
     def on_message_begin(self) -> None:
-        """A later request on a keep-alive connection starts its header deadline here."""
+        """A request's first bytes were read: note the time (:mod:`app.arrival`).
+
+        A later request on a keep-alive connection starts its header deadline here.
+        """
         if self._refused:
             return
         super().on_message_begin()
+        state = self.app_state.get(STATE_KEY)
+        if isinstance(state, GatewayState):
+            self.scope[FIRST_BYTE_KEY] = state.clock()  # type: ignore[literal-required]
         if self._head_timer is None:
             self._arm_head_timer()
 

@@ -73,6 +73,8 @@ class Worker:
         """Running average of prompt + completion tokens per request (for the roofline)."""
         self.own_at_scrape = 0
         """``in_flight`` when ``load`` was read: the rest of what it counted is others'."""
+        self.fingerprint: bytes | None = None
+        """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
         self._busy: set[str] = set()
         self._occupancy = 0.0
         self._occupancy_at = 0.0

@@ -83,6 +83,7 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "gateway_worker_inter_token_latency_seconds": _WORKER,
     "gateway_queue_wait_seconds": ("tier",),
     "gateway_ttft_prediction_error_seconds": ("tier",),
+    "gateway_event_loop_lag_seconds": (),
 }
 # vLLM's series carry model_name and engine (and, on vllm:num_requests_waiting_by_reason,
 # reason); Prometheus adds `worker` (see prometheus.yml).
