@@ -38,6 +38,8 @@ import math
 
 # The deepest single cut, however far over its target a latency was.
 _DEEPEST_CUT = 0.5
+# Gaps that make an early pace reading: many streams' worth, so one stalled step says little.
+_EARLY_GAPS = 100
 
 
 class ConcurrencyLimit:
@@ -76,7 +78,14 @@ class ConcurrencyLimit:
         rather than from its window: a limit the load has not reached holds nothing back, and
         cutting it alone left the batch as it was. ``over`` is latency / target: the cut is
         ``decrease``, or 1 / ``over`` when deeper (at most to a half).
+
+        Not while more run than an earlier cut left room for: that cut has not taken effect
+        yet (nothing is admitted until the excess drains), and the misses seen meanwhile are
+        the excess's. Cutting on them again took a worker settling near 25 down to 2 after a
+        surge, and turned requests away for the ten seconds it took to grow back.
         """
+        if math.isfinite(self._last_cut) and in_flight > self.value:
+            return
         if now - self._last_cut >= self._cooldown:
             factor = min(self._decrease, max(_DEEPEST_CUT, 1.0 / over if over > 0 else 1.0))
             self.value = max(self.minimum, min(self.value, in_flight) * factor)
@@ -134,7 +143,9 @@ class DecodePace:
     learnt from finished streams.
     """
 
-    __slots__ = ("_count", "_min_gaps", "_since", "_sum", "_window", "tokens_per_event")
+    __slots__ = (
+        "_count", "_min_gaps", "_since", "_sum", "_window", "alarm", "tokens_per_event",
+    )  # fmt: skip
 
     def __init__(self, window_s: float = 3.0, min_gaps: int = 20) -> None:
         self._window = window_s
@@ -143,16 +154,26 @@ class DecodePace:
         self._sum = 0.0
         self._count = 0
         self.tokens_per_event = 1.0
+        self.alarm = math.inf
+        """A pace per token so slow that a window closes early on it (see :meth:`gap`)."""
 
     def gap(self, seconds: float, now: float) -> float | None:
         """Add one stream's gap since its previous output event, received at ``now``.
 
         Returns the mean gap per token over the window that ``now`` closes (at least
-        ``window_s`` long, with at least ``min_gaps`` gaps), else None.
+        ``window_s`` long, with at least ``min_gaps`` gaps), else None. A window closes after
+        a third of its length already when ``_EARLY_GAPS`` gaps say the pace is slower than
+        ``alarm``: a surge onto a worker whose limit no miss has lowered yet grows the batch by
+        dozens a second, and a full window let in twice what the worker could keep at pace.
         """
         self._sum += seconds
         self._count += 1
-        if now - self._since < self._window:
+        elapsed = now - self._since
+        if elapsed < self._window and not (
+            elapsed >= self._window / 3
+            and self._count >= _EARLY_GAPS
+            and self._sum > self.alarm * self.tokens_per_event * self._count
+        ):
             return None
         reading = None
         if self._count >= self._min_gaps and math.isfinite(self._since):

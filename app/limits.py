@@ -31,8 +31,7 @@ class Limits:
     def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
         self._settings = settings
         self._metrics = metrics
-        targets = [t.tpot_slo_s for t in settings.tiers if t.tpot_slo_s is not None]
-        self.tpot_target = min(targets) if targets else None
+        self.tpot_target = settings.strictest_tpot_s
         """The strictest TPOT target; the running limit keeps it."""
         self.tpot_aim = (
             None if self.tpot_target is None else settings.ttft_headroom * self.tpot_target

@@ -360,6 +360,12 @@ class Settings(BaseSettings):
             raise ValueError("buckets must be positive, strictly increasing and non-empty")
         return value
 
+    @property
+    def strictest_tpot_s(self) -> float | None:
+        """The strictest TPOT target of any tier (what the running limits keep), if any."""
+        targets = [t.tpot_slo_s for t in self.tiers if t.tpot_slo_s is not None]
+        return min(targets) if targets else None
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         names = [t.name for t in self.tiers]

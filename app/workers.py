@@ -32,6 +32,9 @@ from app.timing import Clock
 
 log = logging.getLogger(__name__)
 
+# How far past the strictest TPOT target a worker's pace closes its reading window early.
+_PACE_ALARM = 1.25
+
 
 class Worker:
     """One vLLM worker and what the gateway knows about it."""
@@ -186,6 +189,10 @@ class WorkerPool:
         limit = ConcurrencyLimit(initial=settings.initial_running_per_worker or most, maximum=most)
         prefill_limit = ConcurrencyLimit(initial=most, maximum=most)
         worker = Worker(spec, limit, prefill_limit)
+        target = settings.strictest_tpot_s
+        if target is not None:
+            # A surge that slows every stream a quarter past the target is read within a second.
+            worker.pace.alarm = _PACE_ALARM * target
         self.workers[worker.label] = worker
         self._metrics.worker_up.labels(worker.label).set(0)
         self._metrics.worker_ejected.labels(worker.label).set(0)

@@ -358,8 +358,31 @@ def test_a_miss_cuts_from_what_runs_when_that_is_below_the_limit() -> None:
     assert limit.limit == 18
     limit.cut(5, 0.5)  # within the cooldown: the same overload, seen again
     assert limit.limit == 18
-    limit.cut(30, 1.0)  # more running than the limit (it was just cut): from the limit
+    # More running than the last cut left room for: that cut has not taken effect yet (the
+    # excess is draining), so the misses of the excess cut nothing more.
+    limit.cut(30, 1.0)
+    assert limit.limit == 18
+    limit.cut(19, 2.0)
+    assert limit.limit == 18
+    limit.cut(18, 3.0)  # down to the limit and still missing: cut again, from the limit
     assert limit.limit == 16
+    # Before any cut, a limit below what runs (other replicas' requests) is cut from itself.
+    fresh = ConcurrencyLimit(initial=20, maximum=40)
+    fresh.cut(30, 0.0)
+    assert fresh.limit == 18
+
+
+def test_a_pace_window_closes_early_when_the_streams_are_far_past_the_alarm() -> None:
+    pace = DecodePace(window_s=3.0, min_gaps=20)
+    pace.alarm = 0.125
+    assert pace.gap(0.05, 0.0) is None  # opens the first window
+    # 100 gaps of 200 ms within the first second: past the alarm, but the window is young.
+    assert all(pace.gap(0.2, 0.5 + k / 1000) is None for k in range(100))
+    # A third of the window gone and 100+ gaps past the alarm: read now, not at 3 s.
+    assert pace.gap(0.2, 1.01) == pytest.approx(0.2)
+    # Slow, but under the alarm: the window runs its full length.
+    assert all(pace.gap(0.11, 1.5 + k / 100) is None for k in range(150))
+    assert pace.gap(0.11, 4.02) == pytest.approx(0.11)
 
 
 def test_decode_pace_reads_the_mean_gap_per_token_once_per_window() -> None:
@@ -392,6 +415,8 @@ async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once()
         "gateway_worker_decode_pace_seconds", {"worker": worker.label}
     )
     assert pace == pytest.approx(0.11)
+    # Its pace readings close early past a quarter over the strictest TPOT target.
+    assert worker.pace.alarm == pytest.approx(0.125)
 
 
 def test_limit_grows_by_one_only_on_a_stream_that_ran_at_the_limit() -> None:
