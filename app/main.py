@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 from types import FrameType
@@ -31,9 +32,13 @@ class GatewayServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Remember the loop the signal handler hands the drain to."""
+        """Remember the loop the signal handler hands the drain to; freeze the start-up heap."""
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        # Everything built so far (modules, the app, its lifespan's state) lives as long as the
+        # process: out of the collector's sight, a full collection no longer walks it (~70,000
+        # objects, 50 ms on a 2-vCPU VM, paid by whichever request was allocating).
+        gc.freeze()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start the drain, or stop now if it had started."""

@@ -27,6 +27,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from app.admission import AdmissionController, Ticket
 from app.auth import Identity
+from app.deadline import Deadline
 from app.errors import (
     GatewayError,
     GatewaySaturated,
@@ -261,7 +262,7 @@ class Relay(Response):
         self._tokens = None
         try:
             async with (
-                asyncio.timeout_at(_earliest(deadline_at, total_at)) as deadline,
+                Deadline(_earliest(deadline_at, total_at)) as deadline,
                 self._response(lease) as upstream,
             ):
                 async for data in upstream.aiter_raw():
@@ -293,7 +294,7 @@ class Relay(Response):
                         body = out[0] if len(out) == 1 else b"".join(out)
                         await send({"type": "http.response.body", "body": body, "more_body": True})
                     if timer.output_events:
-                        deadline.reschedule(_earliest(loop.time() + idle, total_at))
+                        deadline.move(_earliest(loop.time() + idle, total_at))
                     timer.add_overhead(clock() - received)
             if not done:
                 raise UpstreamInvalidResponse(

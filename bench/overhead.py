@@ -411,6 +411,14 @@ class Stack:
             f"{name} not ready after {timeout_s:.0f}s ({url} -> {status}):\n{self.log_tail(name)}"
         )
 
+    def check_alive(self) -> None:
+        """Raise if a subprocess has exited (on a shared machine, someone may have killed it)."""
+        for name, proc in self._procs:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with code {proc.returncode} mid-run:\n{self.log_tail(name)}"
+                )
+
     def pid(self, name: str) -> int:
         """Process id of a subprocess."""
         return dict(self._procs)[name].pid
@@ -546,6 +554,7 @@ class Bench:
             connections=load.streams, start_at=start_at, spacing_s=spacing, stop_at=stop_at,
             steady_from=start_at + stream_s, steady_to=stop_at, timeout_s=STREAM_TIMEOUT_S,
         )  # fmt: skip
+        self.stack.check_alive()
         before = self.cpu()
         began = time.perf_counter()
         results = self.clients.run(spec, load.streams)
