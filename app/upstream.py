@@ -13,6 +13,8 @@ import contextlib
 import errno
 import functools
 import json
+import logging
+import resource
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,6 +42,11 @@ _MAX_ERROR_BODY = 64 * 1024
 # server (uvicorn) closes them itself, so a request is never sent on a connection the worker is
 # closing at that moment.
 _KEEPALIVE_S = 4.0
+log = logging.getLogger(__name__)
+
+# Descriptors kept for everything but streams: the listener, probes and scrapes of every
+# worker, log files, the event loop's own.
+_RESERVED_FDS = 256
 # What running out of file descriptors (or kernel socket buffers) looks like: the gateway's
 # own limit, never a worker's fault.
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
@@ -87,6 +94,28 @@ class UpstreamSlots:
             "retry shortly.",
             1.0,
         )
+
+
+def connection_budget(configured: int) -> int:
+    """The relay's budget of worker connections: ``configured``, or what descriptors allow.
+
+    Every stream holds two descriptors, its client's connection and its worker's. With fewer
+    descriptors than that, the budget is cut to what fits (and said so in the log), so that the
+    gateway runs out of its own budget, a fast 503 gateway_saturated, before it runs out of
+    descriptors in the middle of accepting or connecting.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    fits = max(1, (soft - _RESERVED_FDS) // 2)
+    if fits >= configured:
+        return configured
+    log.warning(
+        "GATEWAY_MAX_UPSTREAM_CONNECTIONS=%d needs about %d file descriptors but the limit is %d: "
+        "at most %d streams at once (raise the hard limit, e.g. ulimit -Hn)",
+        configured, 2 * configured + _RESERVED_FDS, soft, fits,
+    )  # fmt: skip
+    return fits
 
 
 class _WorkerTransport(AiohttpTransport):
@@ -295,4 +324,7 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
     }
 
 
-__all__ = ["UpstreamError", "UpstreamSlots", "error_object", "make_client", "worker_response"]
+__all__ = [
+    "UpstreamError", "UpstreamSlots", "connection_budget", "error_object", "make_client",
+    "worker_response",
+]  # fmt: skip
