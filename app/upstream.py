@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
+from httpx_aiohttp.transport import AiohttpResponseStream
 
 from app.errors import (
     GatewayError,
@@ -128,7 +129,7 @@ class _WorkerTransport(AiohttpTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send ``request``; the response's body is streamed."""
         try:
-            return await super().handle_async_request(request)
+            response = await super().handle_async_request(request)
         except httpx.TransportError as exc:
             cause = exc.__cause__
             if isinstance(cause, aiohttp.ServerDisconnectedError):
@@ -138,6 +139,36 @@ class _WorkerTransport(AiohttpTransport):
             ):
                 raise httpx.ReadError(str(cause), request=request) from cause
             raise
+        if isinstance(response.stream, AiohttpResponseStream):
+            response.stream = _Chunks(response.stream)
+        return response
+
+
+class _Chunks(httpx.AsyncByteStream):
+    """A worker's body, each read handed on as aiohttp's StreamReader has it.
+
+    ``httpx-aiohttp`` iterates ``iter_chunked(16384)``: an iterator object, a lambda and a
+    bounded read that gathers a list and joins it, for every SSE event of every stream.
+    ``readany`` returns what has arrived, as it is.
+    """
+
+    def __init__(self, stream: AiohttpResponseStream) -> None:
+        self._stream = stream
+        self._content = stream._aiohttp_response.content
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        read = self._content.readany
+        try:
+            while chunk := await read():
+                yield chunk
+        except aiohttp.ServerDisconnectedError as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            raise httpx.ReadError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        """Release the connection (to the pool, if the body was read to its end)."""
+        await self._stream.aclose()
 
 
 def worker_transport() -> httpx.AsyncBaseTransport:
