@@ -148,10 +148,23 @@ class AdmissionController:
         """
         candidates = self._router.candidates(ticket.model)
         n = len(candidates)
-        full = frozenset(w.label for w in candidates if self._full(w, ticket.tier, n, now))
+        # Below saturation nothing is held back for higher tiers: see :meth:`_reserving`.
+        tier = ticket.tier if self._reserving(candidates, now) else None
+        full = frozenset(w.label for w in candidates if self._full(w, tier, n, now))
         if len(full) == n:
             return None
         return self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity, full)
+
+    def _reserving(self, candidates: list[Worker], now: float) -> bool:
+        """Whether lower tiers must leave slots free for higher ones on ``candidates`` now.
+
+        Only when the pool is expected to saturate: every tier's expected running slots
+        (Little's law, :meth:`app.demand.TierDemand.expected_total`) add up to at least what
+        the workers may run. Below that every request fits, whatever its tier, and holding
+        slots back would only queue lower tiers on workers with room.
+        """
+        expected = self.demand.expected_total(now)
+        return expected > 0 and expected >= sum(self.limits.cap(w) for w in candidates)
 
     def _min_service(self, ticket: Ticket) -> float:
         """TTFT of the request on the fastest idle worker: no wait can make it shorter."""

@@ -18,6 +18,7 @@ from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
 from app.goodput import GoodputTracker
 from app.limits import Limits
+from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.record import Recorder
@@ -28,6 +29,7 @@ from app.settings import Settings
 from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
+from app.trace import TraceMiddleware
 from app.upstream import UpstreamSlots, connection_budget, make_client
 from app.workers import WorkerPool
 
@@ -62,6 +64,8 @@ def create_app(
         goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
         recorder = Recorder(settings, metrics, goodput, auth, sizer, pool, limits)
+        lag = LoopLagProbe(metrics.loop_lag)
+        lag.start()
         try:
             await pool.start(first_wait=settings.connect_timeout_s)
             log.info(
@@ -91,6 +95,7 @@ def create_app(
                 )
             }
         finally:
+            lag.stop()
             await admission.stop()
             await pool.stop()
             await client.aclose()
@@ -103,6 +108,7 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(router)
+    app.add_middleware(TraceMiddleware)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import TypeAdapter
 
@@ -82,6 +83,25 @@ class Identity:
     tier: TierSpec
 
 
+def _keys_file(path: Path) -> list[ApiKeySpec]:
+    """The keys ``path`` lists.
+
+    A file that cannot be read or lists none is refused: it was configured to protect the
+    gateway, and running without keys would leave it open.
+    """
+    try:
+        keys = _KEYS.validate_python(json.loads(path.read_text()))
+    except OSError as exc:
+        raise ValueError(f"GATEWAY_API_KEYS_FILE {path} cannot be read: {exc}") from exc
+    if not keys:
+        raise ValueError(
+            f"GATEWAY_API_KEYS_FILE {path} lists no API keys, so the gateway refuses to start "
+            "rather than serve without them: list the SHA-256 of each client key in it (see "
+            "docs/deploy.md, API keys), or unset GATEWAY_API_KEYS_FILE to run without keys"
+        )
+    return keys
+
+
 class Authenticator:
     """Maps a request's ``Authorization`` header to an :class:`Identity`."""
 
@@ -90,7 +110,7 @@ class Authenticator:
         self._default = self.tiers[settings.default_tier]
         specs = list(settings.api_keys)
         if settings.api_keys_file is not None:
-            specs += _KEYS.validate_python(json.loads(settings.api_keys_file.read_text()))
+            specs += _keys_file(settings.api_keys_file)
         for spec in specs:
             if spec.tier not in self.tiers:
                 raise ValueError(
@@ -124,7 +144,7 @@ class Authenticator:
             scheme, _, token = (authorization or "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'.")
-            digest = hashlib.sha256(token.strip().encode()).hexdigest()
+            digest = hashlib.sha256(_header_bytes(token.strip())).hexdigest()
             key = self._keys.get(digest)
             if key is None:
                 raise AuthenticationFailed("Incorrect API key provided.")
@@ -176,3 +196,16 @@ class Authenticator:
         key.in_flight -= 1
         if key.bucket is not None and used_tokens is not None:
             key.bucket.charge(used_tokens - estimated_tokens)
+
+
+def _header_bytes(value: str) -> bytes:
+    """The bytes the client sent for a header value.
+
+    ASGI passes header values as bytes and Starlette decodes them as latin-1, so encoding back
+    as latin-1 restores them: a key with non-ASCII characters is hashed on its UTF-8 bytes, as
+    its configured SHA-256 was. A string that did not come from a header is encoded as UTF-8.
+    """
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode()

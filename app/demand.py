@@ -22,6 +22,10 @@ _ACTIVE_S = 10.0
 _SURGE_SPANS_S = (0.5, 1.0, 2.0)
 # The fewest arrivals in a surge span that say anything (one alone is no rate).
 _SURGE_MIN_ARRIVALS = 3
+# How many standard deviations (Poisson) a surge span's count must stand above what the window's
+# rate would bring in that span: arrivals at a third of capacity, read over half a second,
+# otherwise look like a rate above capacity a fifth of the time by chance alone.
+_SURGE_Z = 4.0
 # The shortest span arrival rates are measured over (fewer arrivals say too little).
 _MIN_SPAN_S = 1.0
 # Weight of a finished request in the running average of how long a tier's requests hold a slot.
@@ -104,13 +108,14 @@ class TierDemand:
         """Per tier priority, how many running slots its requests are expected to hold.
 
         Little's law: arrival rate x how long one of its requests holds a slot. The rate is the
-        largest of the last ``_ACTIVE_S`` seconds' (over the span actually observed, at least
-        ``_MIN_SPAN_S``) and of each of the last ``_SURGE_SPANS_S`` (those with at least
-        ``_SURGE_MIN_ARRIVALS`` arrivals of the tier, or of all tiers together, shared out by
-        the tier's part of the window's arrivals): the long window alone would read the first
-        seconds of a surge as the trickle before it. Computed once per ``now`` (a dispatch pass
-        asks for every queued request and every worker) and again after an arrival or a
-        completion.
+        last ``_ACTIVE_S`` seconds' (over the span actually observed, at least ``_MIN_SPAN_S``),
+        or the rate of one of the last ``_SURGE_SPANS_S`` when that is higher and cannot be
+        chance: the span saw at least ``_SURGE_MIN_ARRIVALS`` arrivals of the tier (or of all
+        tiers together, shared out by the tier's part of the window's arrivals), ``_SURGE_Z``
+        standard deviations more than the window's rate brings in such a span. The long window
+        alone would read the first seconds of a surge as the trickle before it. Computed once
+        per ``now`` (a dispatch pass asks for every queued request and every worker) and again
+        after an arrival or a completion.
         """
         if self._expected[0] == now:
             return self._expected[1]
@@ -125,12 +130,12 @@ class TierDemand:
             for window in self._spans:
                 latest = window.at(now)
                 for priority, count in latest.items():
-                    if count >= _SURGE_MIN_ARRIVALS:
+                    if _surge(count, counts[priority] / span * window.span):
                         rates[priority] = max(rates[priority], count / window.span)
                 # All tiers' arrivals, shared out by each tier's part of the window: a surge of
                 # every tier shows in the total three times sooner than in a 30% tier's own.
                 pooled = sum(latest.values())
-                if pooled >= _SURGE_MIN_ARRIVALS:
+                if _surge(pooled, total / span * window.span):
                     for priority, share in shares.items():
                         rates[priority] = max(rates[priority], pooled / window.span * share)
             fallback = max(self._held.values(), default=0.0)
@@ -138,6 +143,10 @@ class TierDemand:
                 expected[priority] = rate * self._held.get(priority, fallback)
         self._expected = (now, expected)
         return expected
+
+    def expected_total(self, now: float) -> float:
+        """How many running slots all tiers together are expected to hold."""
+        return sum(self.expected_slots(now).values())
 
     def kept_for_higher(self, tier: TierSpec, workers: int, running_above: int, now: float) -> int:
         """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.
@@ -154,3 +163,8 @@ class TierDemand:
         expected = sum(higher) / max(workers, 1)
         needed = math.ceil(expected + 2 * math.sqrt(expected))
         return max(1, needed - running_above)
+
+
+def _surge(count: int, usual: float) -> bool:
+    """Whether ``count`` arrivals in a span where ``usual`` were expected cannot be chance."""
+    return count >= _SURGE_MIN_ARRIVALS and count >= usual + _SURGE_Z * math.sqrt(max(usual, 1.0))

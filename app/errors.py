@@ -71,6 +71,29 @@ class BodyTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class ClientStalled(GatewayError):
+    """The client sent its request, or read its answer, too slowly: never a worker's fault.
+
+    The connection is closed after the answer (if one can still be sent).
+    """
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+    outcome = Outcome.CLIENT_STALLED
+
+    def headers(self) -> dict[str, str]:
+        """Close the connection: the rest of a slow body is not worth reading."""
+        return {"connection": "close"}
+
+
+class InternalError(GatewayError):
+    """A fault in the gateway's own code: logged with its traceback, answered 500."""
+
+    code = "internal_error"
+    outcome = Outcome.INTERNAL_ERROR
+
+
 class UpstreamError(GatewayError):
     """Something went wrong between the gateway and a worker."""
 

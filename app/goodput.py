@@ -20,6 +20,7 @@ What counts (the denominator):
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from app.metrics import GatewayMetrics
@@ -63,7 +64,12 @@ def judge(
         return slo_result(tier, timing, tokens, stream)
     if outcome in (Outcome.REJECTED, Outcome.GATEWAY_SATURATED):
         return SloResult.REJECTED
-    if outcome in (Outcome.UPSTREAM_ERROR, Outcome.TIMEOUT, Outcome.GATEWAY_SHUTDOWN):
+    if outcome in (
+        Outcome.UPSTREAM_ERROR,
+        Outcome.TIMEOUT,
+        Outcome.GATEWAY_SHUTDOWN,
+        Outcome.INTERNAL_ERROR,
+    ):
         return SloResult.ERRORED
     if outcome is Outcome.CLIENT_CANCELLED:
         if not stream:
@@ -94,6 +100,8 @@ class GoodputTracker:
         self._window = window_s
         self._recent: dict[str, deque[tuple[float, bool]]] = {t.name: deque() for t in tiers}
         for tier in tiers:
+            metrics.tier_objective.labels(tier.name).set(tier.objective)
+            metrics.goodput_ratio.labels(tier.name).set(math.nan)
             metrics.tier_ttft_slo.labels(tier.name).set(tier.ttft_slo_s)
             if tier.tpot_slo_s is not None:
                 metrics.tier_tpot_slo.labels(tier.name).set(tier.tpot_slo_s)
@@ -120,8 +128,10 @@ class GoodputTracker:
         return sum(1 for _, met in recent if met) / len(recent)
 
     def export(self) -> None:
-        """Refresh the live goodput gauges (just before an export)."""
+        """Refresh the live goodput gauges (just before an export).
+
+        A tier with no request in the window reads NaN ("no data"), never its last figure.
+        """
         for tier in self._recent:
             ratio = self.ratio(tier)
-            if ratio is not None:
-                self._metrics.goodput_ratio.labels(tier).set(ratio)
+            self._metrics.goodput_ratio.labels(tier).set(math.nan if ratio is None else ratio)

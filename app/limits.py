@@ -12,6 +12,10 @@ from app.metrics import GatewayMetrics
 from app.settings import Settings
 from app.workers import Worker, WorkerPool
 
+# The least spread of the loads finished streams ran at before the learnt decode line bounds
+# the running limit (a line through loads of 1 and 2 says nothing of 25).
+_MIN_LOAD_SPREAD = 4.0
+
 
 class Limits:
     """Admission's two limits on every worker, steered by the latencies its requests get.
@@ -45,6 +49,21 @@ class Limits:
         most = min(self._settings.max_running_per_worker, worker.limit.limit)
         return most if fit >= most else max(1, math.floor(fit))
 
+    def _decode_fit(self, worker: Worker) -> float:
+        """How many running requests keep TPOT at the aim, by the worker's learnt decode line.
+
+        Only once streams finished across a range of loads (their spread at least
+        ``_MIN_LOAD_SPREAD``) and TPOT was seen to grow with load: sequential or light traffic
+        says nothing of the slope, and a worker whose pace does not depend on its batch has no
+        such bound. It is evidence like a miss, so it only lowers the limit (:meth:`learn`);
+        holding the load under it narrows the loads seen, so it is not a standing cap.
+        """
+        aim = self.tpot_aim
+        line = worker.latency.decode
+        if aim is None or line.spread < _MIN_LOAD_SPREAD or line.slope <= 0:
+            return math.inf
+        return max(1.0, (aim - line.intercept) / line.slope)
+
     def prefill_cap(self, worker: Worker) -> int:
         """The most requests that may be prefilling on ``worker`` at once."""
         return min(self._settings.max_running_per_worker, worker.prefill_limit.limit)
@@ -71,6 +90,12 @@ class Limits:
             target = self.tpot_target
             running = worker.in_flight + 1 + self._others(worker, now)
             worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load)
+            # Until the batch first outgrows the target, the limit stands where it started: the
+            # decode line learnt from streams at a range of loads says where that will be, so
+            # the first surge is not let in whole.
+            bound = self._decode_fit(worker)
+            if bound < worker.limit.value:
+                worker.limit.hold(bound, now)
         if worker_ttft_s is not None:
             target = self._ttft_target / 2
             worker.prefill_limit.on_result(

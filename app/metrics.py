@@ -18,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from app.loadsignals import LoadSample
+from app.looplag import LAG_BUCKETS
 from app.outcome import DECISION_REASONS, Decision, Reason, SloResult
 from app.protocol import Endpoint
 from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
@@ -173,6 +174,11 @@ class GatewayMetrics:
             "Time spent in the gateway's own code per request, not waiting on worker or client.",
             by_model, buckets=OVERHEAD_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.loop_lag = Histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the event loop ran a callback due at a known time (probed every 0.25 s).",
+            buckets=LAG_BUCKETS, registry=reg,
+        )  # fmt: skip
         self.failover = Histogram(
             "gateway_failover_seconds",
             "Time a request lost on attempts that failed before its first byte (failed over).",
@@ -240,7 +246,11 @@ class GatewayMetrics:
         )  # fmt: skip
         self.worker_bandwidth = Gauge(
             "gateway_worker_memory_bandwidth_bytes_per_second",
-            "The worker's configured memory bandwidth.", by_worker, registry=reg,
+            "The worker's configured memory bandwidth (per GPU).", by_worker, registry=reg,
+        )  # fmt: skip
+        self.worker_peak_flops = Gauge(
+            "gateway_worker_peak_flops_per_second",
+            "The worker's configured peak FLOP/s (per GPU).", by_worker, registry=reg,
         )  # fmt: skip
         self.worker_concurrency_limit = Gauge(
             "gateway_worker_concurrency_limit",
@@ -316,6 +326,11 @@ class GatewayMetrics:
             "gateway_tier_slo_ttft_seconds", "The tier's TTFT target.", by_tier_only,
             registry=reg,
         )  # fmt: skip
+        self.tier_objective = Gauge(
+            "gateway_slo_objective",
+            "Share of the tier's requests that must meet every SLO (the goodput objective).",
+            by_tier_only, registry=reg,
+        )  # fmt: skip
         self.tier_tpot_slo = Gauge(
             "gateway_tier_slo_tpot_seconds", "The tier's TPOT target.", by_tier_only,
             registry=reg,
@@ -326,6 +341,15 @@ class GatewayMetrics:
             ["resource"], registry=reg,
         )  # fmt: skip
         self.saturated.labels(UPSTREAM_CONNECTIONS)
+        # Unlabelled, so they exist at zero: an alert on "no worker" needs a series that says 0.
+        self.workers_known = Gauge(
+            "gateway_workers_known", "Workers the gateway knows (configured or discovered).",
+            registry=reg,
+        )  # fmt: skip
+        self.workers_healthy = Gauge(
+            "gateway_workers_healthy", "Workers that may take requests now: up, not ejected, "
+            "not draining.", registry=reg,
+        )  # fmt: skip
         for tier in settings.tiers:
             # Exported at zero from the start: rate() counts only increases between scrapes, so
             # a series that first appears with its first burst of events shows no rate for it.
@@ -340,6 +364,7 @@ class GatewayMetrics:
             self.worker_failovers, self.worker_running, self.worker_waiting, self.worker_kv_cache,
             self.worker_load_age, self.worker_in_flight, self.worker_ttft, self.worker_itl,
             self.worker_completion_tokens, self.worker_roofline, self.worker_bandwidth,
+            self.worker_peak_flops,
             self.worker_concurrency_limit, self.worker_decode_pace, self.worker_prefill_limit,
             self.worker_prefill_rate, self.worker_decode_step, self.worker_decode_per_sequence,
         )  # fmt: skip
@@ -421,16 +446,26 @@ class GatewayMetrics:
         for worker, at in self._load_at.items():
             self.worker_load_age.labels(worker).set(max(0.0, now - at))
 
+    def set_hardware(self, worker: str, hardware: Hardware) -> None:
+        """Export the worker's peak figures, which MFU and MBU are measured against."""
+        self.worker_bandwidth.labels(worker).set(hardware.memory_bandwidth_gbs * 1e9)
+        if hardware.peak_tflops is not None:
+            self.worker_peak_flops.labels(worker).set(hardware.peak_tflops * 1e12)
+
     def set_roofline(self, worker: str, hardware: Hardware, running: float, context: float) -> None:
         """Export the decode roofline of a batch of ``running`` sequences of ``context`` tokens.
 
         Each decode step reads every weight once and the KV cache of every sequence, and yields
-        one token per sequence: tokens/s <= running x bandwidth / bytes read per step.
+        one token per sequence: tokens/s <= running x bandwidth / bytes read per step. Needs
+        the model described (``model_params_billion``); the fallback for engines that do not
+        count their own bytes.
         """
+        weights = hardware.weight_bytes
+        if weights is None:
+            return
         batch = max(running, 1.0)
         bandwidth = hardware.memory_bandwidth_gbs * 1e9
-        step_bytes = hardware.weight_bytes + hardware.kv_bytes_per_token * context * batch
-        self.worker_bandwidth.labels(worker).set(bandwidth)
+        step_bytes = weights + hardware.kv_bytes_per_token * context * batch
         self.worker_roofline.labels(worker).set(batch * bandwidth / step_bytes)
 
     def forget_worker(self, worker: str) -> None:

@@ -14,6 +14,9 @@ class Outcome(StrEnum):
 
     OK = "ok"
     CLIENT_CANCELLED = "client_cancelled"
+    CLIENT_STALLED = "client_stalled"
+    """The client stopped reading its stream, or sending its request, for too long: its own
+    doing, never a worker's fault."""
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
     REJECTED = "rejected"
@@ -26,6 +29,8 @@ class Outcome(StrEnum):
     """The gateway's own resources (its connections to the workers) ran out: never a worker's
     fault, never a success."""
     INVALID_REQUEST = "invalid_request"
+    INTERNAL_ERROR = "internal_error"
+    """A fault in the gateway's own code (answered 500): never a worker's."""
 
 
 class Decision(StrEnum):

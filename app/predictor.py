@@ -18,6 +18,7 @@ does not gate on them (see :mod:`app.limiter`): under load the fits were seen to
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -62,6 +63,12 @@ class OnlineLinear:
     def predict(self, x: float) -> float:
         """``intercept + slope * x``."""
         return self.intercept + self.slope * x
+
+    @property
+    def spread(self) -> float:
+        """The weighted standard deviation of the observed ``x``: how well the slope is known."""
+        mean = self._x / self._n
+        return math.sqrt(max(0.0, self._xx / self._n - mean * mean))
 
 
 class RecentQuantile:

@@ -1,8 +1,14 @@
-"""Request models of the OpenAI API, as far as the gateway needs to check them.
+"""Request models of the OpenAI API, as far as the gateway needs to read them.
 
-The models validate types and required fields only; unknown fields (vLLM extensions such as
-``ignore_eos`` or ``top_k``) are allowed, and the body forwarded to the worker is the client's own
-JSON, not a re-serialisation of these models.
+The gateway reads only the fields it acts on (``model``, ``stream``, ``stream_options``,
+``max_tokens``, ``max_completion_tokens``, ``n``, ``user``) and checks that chat requests carry a
+``messages`` list; everything else is the worker's to judge. The fields are typed as vLLM types
+them (``vllm/entrypoints/openai/*/protocol.py``, pydantic's default lax mode), so the gateway
+accepts whatever vLLM accepts: ``"max_tokens": 4.0`` or ``"4"``, ``"stream": "false"`` or ``0``,
+``"include_usage": "yes"``, and a missing ``model`` (see :meth:`app.routing.Router.default_model`).
+Unknown fields (vLLM extensions such as ``ignore_eos`` or ``top_k``) are allowed, and the body
+forwarded to the worker is the client's own bytes, changed only as
+:meth:`ParsedRequest.upstream_body` says.
 """
 
 from __future__ import annotations
@@ -12,15 +18,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictInt,
-    StrictStr,
-    ValidationError,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import InvalidRequest
 
@@ -38,40 +36,44 @@ class Endpoint(StrEnum):
 
 
 # Token counts beyond any context window (vLLM's limits are int32): a 400, never an overflow.
-TokenCount = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+# Lax like vLLM's ``int``: 4, 4.0 and "4" are all 4; 4.5 and "four" are not.
+TokenCount = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# vLLM bounds its integer fields to int64 or less; beyond that no worker accepts them either.
+_Count = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # A JSON \u escape of a UTF-16 surrogate: the only way a decoded body can hold text that does
 # not encode back to UTF-8 (a lone surrogate), which the worker's request would then fail on.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: the gateway reads ``include_usage`` and keeps everything else."""
+    """``stream_options``: the two flags that decide which chunks carry ``usage``."""
 
     model_config = ConfigDict(extra="allow")
-    include_usage: StrictBool | None = None
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: StrictStr
-    stream: StrictBool | None = False
+    # vLLM serves its first model when ``model`` is missing, null or empty.
+    model: str | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
-    user: StrictStr | None = None
+    n: _Count | None = 1
+    user: str | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[dict[str, Any]]
+    messages: list[Any]
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``."""
-
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    """``POST /v1/completions`` (vLLM also takes ``prompt_embeds`` instead of ``prompt``)."""
 
 
 _MODELS: dict[Endpoint, type[_GenerationRequest]] = {
@@ -81,34 +83,46 @@ _MODELS: dict[Endpoint, type[_GenerationRequest]] = {
 
 
 class ParsedRequest:
-    """A validated generation request: the client's JSON plus the fields the gateway uses."""
+    """A validated generation request: the client's JSON plus the fields the gateway uses.
 
-    __slots__ = ("body", "endpoint", "max_tokens", "model", "size", "stream", "user", "wants_usage")
+    ``model`` is empty when the client named none; the route fills in the default.
+    """
+
+    __slots__ = (
+        "body", "endpoint", "max_tokens", "model", "n", "raw", "size", "stream", "user",
+        "wants_usage",
+    )  # fmt: skip
 
     def __init__(
-        self, endpoint: Endpoint, body: dict[str, Any], fields: _GenerationRequest, size: int
+        self, endpoint: Endpoint, body: dict[str, Any], fields: _GenerationRequest, raw: bytes
     ):
         self.endpoint = endpoint
         self.body = body
-        self.size = size
+        self.raw = raw
+        self.size = len(raw)
         self.user = fields.user
         self.max_tokens = fields.max_completion_tokens or fields.max_tokens
-        self.model = fields.model
+        self.n = max(1, fields.n or 1)
+        self.model = fields.model or ""
         self.stream = bool(fields.stream)
         opts = fields.stream_options
         self.wants_usage = bool(opts is not None and opts.include_usage)
 
     def upstream_body(self) -> bytes:
-        """The body to send the worker: the client's JSON, asking for usage when streaming.
+        """The body to send the worker: the client's own bytes, unless usage must be asked for.
 
-        The gateway needs ``usage`` to count tokens; when the client did not ask for it, the
-        relay drops the usage-only chunk so the client sees what vLLM would have sent it.
+        The gateway needs ``usage`` to count tokens. When a streaming client did not ask for it,
+        the worker is asked for the final usage chunk only (``include_usage``, and never
+        ``continuous_usage_stats``, which vLLM honours only together with ``include_usage``);
+        the relay then gives the client the stream vLLM would have sent it
+        (:mod:`app.relay`).
         """
-        body = self.body
-        if self.stream and not self.wants_usage:
-            opts = dict(body.get("stream_options") or {})
-            opts["include_usage"] = True
-            body = {**body, "stream_options": opts}
+        if not self.stream or self.wants_usage:
+            return self.raw
+        opts = dict(self.body.get("stream_options") or {})
+        opts["include_usage"] = True
+        opts.pop("continuous_usage_stats", None)
+        body = {**self.body, "stream_options": opts}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -150,7 +164,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
         fields = _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
-    return ParsedRequest(endpoint, body, fields, len(raw))
+    return ParsedRequest(endpoint, body, fields, raw)
 
 
 def _validation_error(exc: ValidationError) -> InvalidRequest:

@@ -3,7 +3,9 @@
 Metrics, goodput, the key's allowance, what the worker's models learn, and the access-log line.
 
 Every generation request that got as far as its route ends here exactly once, whether the relay
-served it or it was refused before (bad body, unknown key, key quota, no worker).
+served it or it was refused before (bad body, unknown key, key quota, no worker). Every other
+response is recorded by :meth:`Recorder.plain` (from :mod:`app.trace` and :mod:`app.server`), so
+that each response leaves one access-log line and one ``gateway_requests_total`` count.
 """
 
 from __future__ import annotations
@@ -123,17 +125,37 @@ class Recorder:
                 worker, worker_ttft, timing.tpot_s, lease.prefill_peers, self._pool.now(), load
             )
 
+    def plain(
+        self, request_id: str, endpoint: str, status: int, outcome: Outcome, seconds: float
+    ) -> None:
+        """Record a response that is no generation request's (or one refused before its route).
+
+        It has no model or tier: both labels are empty, so per-tier series are not inflated by
+        probes and scrapes.
+        """
+        self._metrics.count("", "", endpoint, status, outcome, None)
+        if self._settings.access_log:
+            log.info(
+                _LINE, request_id, endpoint, "-", "-", "-", status, outcome, "-", "-", "-",
+                _ms(seconds), 0, None, None,
+            )  # fmt: skip
+
     @staticmethod
     def _log(end: RequestEnd) -> None:
         timing, tokens = end.timing, end.tokens
         log.info(
-            "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s "
-            "tpot_ms=%s e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s",
+            _LINE,
             end.request_id, end.endpoint, end.model, end.tier.name,
             end.lease.worker.label if end.lease else "-", end.status, end.outcome,
             _ms(timing.queue_s), _ms(timing.ttft_s), _ms(timing.tpot_s), _ms(timing.e2e_s),
             timing.output_events, *(tokens if tokens is not None else (None, None)),
         )  # fmt: skip
+
+
+_LINE = (
+    "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s tpot_ms=%s "
+    "e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s"
+)
 
 
 def _ms(seconds: float | None) -> str:

@@ -9,6 +9,14 @@ stream closes without ``[DONE]``.
 Streams are relayed event by event as they arrive: no buffering, no merging, no splitting. A
 client that disconnects cancels the worker request at once (the worker sees its connection
 close and aborts the generation).
+
+A client that stops reading is its own problem, never the worker's. Its stream's buffer is
+bounded by the server: uvicorn waits (the send blocks) once its transport holds more than its
+write high-water mark (64 KiB), beyond what the kernel's socket send buffer holds (see
+``client_send_buffer_bytes``). A send blocked for ``client_stall_timeout_s`` ends the stream as
+``client_stalled``: the worker request is cancelled, the slot freed, the connection dropped,
+and the worker's health is not touched. The worker's idle timeout counts only the time the
+relay was ready to read the worker.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ import contextlib
 import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from starlette.responses import Response
@@ -29,9 +38,11 @@ from app.admission import AdmissionController, Ticket
 from app.auth import Identity
 from app.deadline import Deadline
 from app.errors import (
+    ClientStalled,
     GatewayError,
     GatewaySaturated,
     GatewayShutdown,
+    InternalError,
     UpstreamClientError,
     UpstreamInvalidResponse,
     UpstreamTimeout,
@@ -45,7 +56,16 @@ from app.record import Recorder, RequestEnd
 from app.routing import Choice, Router
 from app.settings import Settings
 from app.shutdown import Shutdown
-from app.sse import EventKind, EventSplitter, classify, parse_usage, usage_counts
+from app.sse import (
+    FINISH,
+    EventKind,
+    EventSplitter,
+    classify,
+    event_json,
+    fingerprint_member,
+    usage_counts,
+    with_fingerprint,
+)
 from app.timing import RequestTimer
 from app.upstream import UpstreamSlots, worker_response
 from app.workers import WorkerPool
@@ -59,6 +79,15 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+
+class WriteFlow(Protocol):
+    """Whether the server holds back writes to a client (its write buffer is over its mark).
+
+    uvicorn's ``FlowControl``: while ``write_paused``, the next ``send`` waits for the client.
+    """
+
+    write_paused: bool
 
 
 @dataclass(slots=True)
@@ -87,6 +116,10 @@ class RequestContext:
     ticket: Ticket
     charged_tokens: float
     """Tokens charged to the key's per-minute allowance up front (corrected at the end)."""
+    abort: Callable[[], None] | None = None
+    """Drops the client's connection at once, unflushed (the server's, when it offers one)."""
+    flow: WriteFlow | None = None
+    """The server's write flow control of the client's connection, when it offers it."""
 
 
 class Relay(Response):
@@ -136,6 +169,14 @@ class Relay(Response):
         except* OSError:
             # The client vanished while we were writing to it.
             self._client_closed()
+        except* Exception as group:
+            # A fault in the gateway's own code: a 500 (in-band once started), logged and
+            # counted as what it is, never as the status the relay had hoped to send.
+            log.error("request %s failed in the relay", self._request_id, exc_info=group)
+            if not self._ended:
+                with contextlib.suppress(OSError):
+                    await self._fail(send, InternalError("The gateway failed this request."), None)
+            self._outcome = Outcome.INTERNAL_ERROR
         finally:
             deps.shutdown.leave(self)
             in_flight.dec()
@@ -184,6 +225,10 @@ class Relay(Response):
                 # The client's mistake, or the gateway's own limit: never the worker's fault.
                 await self._fail(send, error, None)
                 return
+            except ClientStalled as error:
+                self._outcome = error.outcome  # not the worker's fault either
+                self._drop_client()
+                return
             except GatewayError as error:
                 self._timer.attempt_failed()
                 deps.pool.report_failure(lease.worker, error.code or "error")
@@ -202,6 +247,11 @@ class Relay(Response):
                 tried.add(lease.worker.label)
             finally:
                 self._release(self._lease)
+
+    def _drop_client(self) -> None:
+        """Drop the connection of a client that reads nothing (a graceful close would wait)."""
+        if self._ctx.abort is not None:
+            self._ctx.abort()
 
     def _release(self, lease: Lease) -> None:
         now = self._timer.clock()
@@ -254,11 +304,21 @@ class Relay(Response):
             if settings.request_timeout_s is None
             else loop.time() + settings.request_timeout_s - (clock() - timer.arrival)
         )
-        idle = settings.idle_timeout_s
+        idle, stall = settings.idle_timeout_s, settings.client_stall_timeout_s
+        flow, sending = self._ctx.flow, False
         keep_usage = request.wants_usage
+        # The worker was asked for a usage chunk the client did not ask for; vLLM then also
+        # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
+        restore = not keep_usage
         splitter = EventSplitter()
         worker = lease.worker
         done = False
+        first = True
+        last_received: float | None = None
+        # Events held, in order, from a finish chunk until the usage chunk tells the worker's
+        # fingerprint: only while the gateway has not seen this worker's yet.
+        held: list[bytes] | None = None
+        held_outputs = 0
         self._tokens = None
         try:
             async with (
@@ -270,44 +330,105 @@ class Relay(Response):
                     events = splitter.feed(data)
                     if not events:
                         continue
+                    if first:
+                        first = False
+                        head = events[0]
+                        if restore and b'"usage"' in head and classify(head) is not EventKind.USAGE:
+                            # The worker sends usage whatever was asked
+                            # (--enable-force-include-usage): so it does to the client directly.
+                            keep_usage, restore = True, False
                     out: list[bytes] = []
+                    outputs = 0
                     for event in events:
                         kind = classify(event)
                         if kind is EventKind.OUTPUT:
-                            if not timer.output_events:
+                            if last_received is None:
                                 self._first_output(lease, received)
                             else:
-                                self._output_gap(lease, received - timer.last_output, received)
-                            timer.output(received)
+                                self._output_gap(lease, received - last_received, received)
+                            last_received = received
                         elif kind is EventKind.USAGE:
-                            self._tokens = parse_usage(event) or self._tokens
+                            payload = event_json(event)
+                            self._tokens = usage_counts(payload) or self._tokens
+                            if restore:
+                                worker.fingerprint = fingerprint_member(payload)
+                                if held is not None:
+                                    out.extend(_restored(held, worker.fingerprint))
+                                    outputs, held, held_outputs = outputs + held_outputs, None, 0
                             if not keep_usage:
                                 continue
                         elif kind is EventKind.DONE:
                             done = True
                         elif kind is EventKind.ERROR:
                             self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
+                        if restore and FINISH in event:
+                            member = worker.fingerprint
+                            if member is not None:
+                                event = with_fingerprint(event, member)
+                            elif held is None:
+                                held = []
+                        if held is not None:
+                            if kind is not EventKind.DONE and kind is not EventKind.ERROR:
+                                held.append(event)
+                                held_outputs += kind is EventKind.OUTPUT
+                                continue
+                            out.extend(held)  # no usage chunk came: the fingerprint is unknown
+                            outputs, held, held_outputs = outputs + held_outputs, None, 0
                         out.append(event)
+                        outputs += kind is EventKind.OUTPUT
                     if out:
-                        if not self._started:
-                            await self._start(send, 200, _SSE_HEADERS)
-                        body = out[0] if len(out) == 1 else b"".join(out)
-                        await send({"type": "http.response.body", "body": body, "more_body": True})
-                    if timer.output_events:
+                        # A send waits while the client does not read (the server's write
+                        # buffer is full): the stall timeout's time, never the worker's. The one
+                        # deadline serves both; it is moved only when a send may wait.
+                        if not self._started or flow is None or flow.write_paused:
+                            sending = True
+                            deadline.move(_earliest(loop.time() + stall, total_at))
+                        sent = await self._relay(send, out, outputs)
+                        if sending:
+                            sending = False
+                            if last_received is None:
+                                deadline.move(_earliest(deadline_at, total_at))
+                    else:
+                        sent = clock()
+                    if last_received is not None:
                         deadline.move(_earliest(loop.time() + idle, total_at))
-                    timer.add_overhead(clock() - received)
-            if not done:
-                raise UpstreamInvalidResponse(
-                    f"Worker {worker.label} closed the stream before [DONE]."
-                )
+                    timer.add_overhead(sent - received)
+                sending = True  # the end of the body waits for a client that does not read, too
+                deadline.move(_earliest(loop.time() + stall, total_at))
+                if held:
+                    await self._relay(send, held, held_outputs)
+                if not done:
+                    raise UpstreamInvalidResponse(
+                        f"Worker {worker.label} closed the stream before [DONE]."
+                    )
+                await self._end_body(send, b"")
         except TimeoutError as exc:
-            what = "the first token" if timer.output_events == 0 else "the next event"
+            if sending:
+                raise ClientStalled(
+                    f"The client read nothing for {stall:g} s; its stream was cut."
+                ) from exc
+            what = "the first token" if last_received is None else "the next event"
             raise UpstreamTimeout(f"Worker {worker.label} timed out waiting for {what}.") from exc
         except httpx.TransportError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
-        await self._end_body(send, b"")
+
+    async def _relay(self, send: Send, events: list[bytes], outputs: int) -> float:
+        """Send whole events, ``outputs`` of them carrying output; return when they were sent.
+
+        The output events are timed when ``send`` returns, their bytes handed to the socket:
+        the moment the client can have them, not when the worker's bytes came in.
+        """
+        if not self._started:
+            await self._start(send, 200, _SSE_HEADERS)
+        body = events[0] if len(events) == 1 else b"".join(events)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        timer = self._timer
+        sent = timer.clock()
+        for _ in range(outputs):
+            timer.output(sent)
+        return sent
 
     def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[httpx.Response]:
         """The worker's response to this request, sent now (the dispatch time is marked)."""
@@ -337,17 +458,19 @@ class Relay(Response):
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the response: {type(exc).__name__}."
             ) from exc
-        self._end = timer.clock()
+        received = timer.clock()
         try:
             payload: Any = json.loads(raw)
         except ValueError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} sent a response that is not JSON."
             ) from exc
-        self._first_output(lease, self._end)
+        self._first_output(lease, received)
         self._tokens = usage_counts(payload)
+        worker.fingerprint = fingerprint_member(payload)
         await self._start(send, status, [(b"content-type", content_type)])
         await self._end_body(send, raw)
+        self._end = timer.clock()  # handed to the socket: when the client can have it
 
     @functools.cached_property
     def _upstream_body(self) -> bytes:
@@ -391,7 +514,11 @@ class Relay(Response):
         self._status = error.status_code
         event = b"data: " + error.to_json() + b"\n\n"
         # The stream ends without [DONE], so clients cannot mistake it for a complete answer.
-        await self._end_body(send, event)
+        try:
+            async with asyncio.timeout(self._deps.settings.client_stall_timeout_s):
+                await self._end_body(send, event)
+        except TimeoutError:
+            self._drop_client()
 
     async def _end_body(self, send: Send, body: bytes) -> None:
         """Send the last part of the body: the response is complete after this."""
@@ -417,6 +544,11 @@ class Relay(Response):
             lease=self._lease,
         )
         self._deps.recorder.finish(end)
+
+
+def _restored(held: list[bytes], member: bytes) -> list[bytes]:
+    """Held events with the fingerprint put back on their finish chunks."""
+    return [with_fingerprint(event, member) if FINISH in event else event for event in held]
 
 
 def _earliest(a: float, b: float | None) -> float:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from app.admission import Ticket
+from app.arrival import arrival
 from app.body import read_body
 from app.errors import GatewayError
 from app.protocol import Endpoint, ParsedRequest, parse_request
@@ -19,13 +18,11 @@ from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
+from app.trace import ABORT_KEY, FLOW_KEY, request_trace
 
 # Handlers read the state with get_state rather than through Depends: FastAPI's dependency
 # solving per request cost more than the rest of the handler.
 router = APIRouter()
-
-# A client's request id is echoed only if it is short and plain, so logs stay clean.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -41,8 +38,9 @@ async def completions(request: Request) -> Response:
 
 
 async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
-    timer = RequestTimer(state.clock)
-    request_id = _request_id(request)
+    timer = RequestTimer(state.clock, arrival(request, state.clock))
+    trace = request_trace(request.scope)
+    request_id = trace.request_id
     model = ""
     tier = state.settings.default_tier
     try:
@@ -50,12 +48,14 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
             request.headers.get("authorization"), request.headers.get(state.settings.tier_header)
         )
         tier = identity.tier.name
-        raw = await read_body(request, state.settings.max_body_bytes)
+        raw = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
         parsed = parse_request(endpoint, raw)
+        if not parsed.model:
+            parsed.model = state.router.default_model()
         model = parsed.model
         state.router.candidates(model)  # unknown model: 404 now, before any waiting
         own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
-        charged = own_tokens + float(parsed.max_tokens or 0)
+        charged = own_tokens + float(parsed.max_tokens or 0) * parsed.n
         state.auth.acquire(identity, charged)
     except GatewayError as exc:
         summary = timer.summary(None)
@@ -64,6 +64,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
             state.auth.tiers[tier], exc.status_code, exc.outcome, summary,
             timer.clock() - timer.arrival,
         )  # fmt: skip
+        trace.recorded = True
         state.recorder.refused(end, exc)
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
@@ -75,7 +76,12 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         _affinity_key(request, parsed, state.settings.affinity_header),
         timer.arrival,
     )
-    ctx = RequestContext(parsed, timer, request_id, identity, ticket, charged)
+    scope = request.scope
+    ctx = RequestContext(
+        parsed, timer, request_id, identity, ticket, charged, scope.get(ABORT_KEY),
+        scope.get(FLOW_KEY),
+    )  # fmt: skip
+    trace.recorded = True  # the relay records it, however it ends
     return Relay(state.relay_deps, ctx)
 
 
@@ -124,10 +130,3 @@ def _affinity_key(request: Request, parsed: ParsedRequest, header: str | None) -
         if parsed.user:
             return parsed.user
     return None
-
-
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id")
-    if given is not None and _REQUEST_ID.fullmatch(given):
-        return given
-    return uuid.uuid4().hex

@@ -23,7 +23,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from app.errors import ModelNotFound, UpstreamUnavailable
+from app.errors import InvalidRequest, ModelNotFound, UpstreamUnavailable
 from app.settings import Settings
 from app.workers import Worker, WorkerPool
 
@@ -48,6 +48,24 @@ class Router:
         self._pool = pool
         self._rng = rng or random.Random()
         self._turn = itertools.count()
+
+    def default_model(self) -> str:
+        """The model of a request that names none: the only model the workers serve.
+
+        vLLM serves its first model when ``model`` is missing, null or empty; a fleet serving
+        several models has no such default, so that is a 400 naming them.
+        """
+        models = sorted(self._pool.served_models())
+        if len(models) == 1:
+            return models[0]
+        if not models:
+            raise UpstreamUnavailable("No worker has reported the models it serves yet.")
+        raise InvalidRequest(
+            "Missing required parameter: 'model' (the workers serve several models: "
+            f"{', '.join(models[:8])}{', ...' if len(models) > 8 else ''}).",
+            param="model",
+            code="missing_required_parameter",
+        )
 
     def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[Worker]:
         """Healthy workers serving ``model``, minus ``exclude``.

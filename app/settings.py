@@ -29,10 +29,21 @@ OVERHEAD_BUCKETS: tuple[float, ...] = (
 
 
 class Hardware(BaseModel):
-    """What bounds a worker's decode speed: memory bandwidth against bytes read per step."""
+    """A worker's peak figures, for the roofline panels: FLOP/s and memory bandwidth per GPU.
+
+    MFU and MBU are the engine's own estimated FLOPs and bytes (vLLM's
+    ``vllm:estimated_*_per_gpu_total``, with ``--enable-mfu-metrics``) over these peaks. The
+    model figures (``model_params_billion`` and after) serve only engines without those
+    counters: the decode roofline is then estimated from the weights and KV cache read per step.
+    """
 
     memory_bandwidth_gbs: float = Field(gt=0, description="Accelerator memory bandwidth, GB/s.")
-    model_params_billion: float = Field(gt=0, description="Parameters of the served model.")
+    peak_tflops: float | None = Field(
+        default=None, gt=0, description="Dense peak of the dtype served, TFLOP/s per GPU."
+    )
+    model_params_billion: float | None = Field(
+        default=None, gt=0, description="Parameters of the served model (fallback estimate)."
+    )
     dtype_bytes: float = Field(default=2.0, gt=0, description="Bytes per weight (bf16: 2).")
     kv_bytes_per_token: float = Field(
         default=131072.0,
@@ -41,8 +52,10 @@ class Hardware(BaseModel):
     )
 
     @property
-    def weight_bytes(self) -> float:
-        """Bytes of weights read by every decode step."""
+    def weight_bytes(self) -> float | None:
+        """Bytes of weights read by every decode step (None when the model is not described)."""
+        if self.model_params_billion is None:
+            return None
         return self.model_params_billion * 1e9 * self.dtype_bytes
 
 
@@ -87,12 +100,30 @@ class TierSpec(BaseModel):
     )
     sheddable: bool = Field(default=False, description="Dropped first when capacity is short.")
     max_queue_wait_s: float = Field(gt=0, description="Longest wait in the admission queue.")
+    # 99.5%: the loosest objective at which the fast-burn page (14.4x the error budget over 1 h
+    # and 5 min) catches a total outage within 5 minutes; see docs/runbooks.md.
+    objective: float = Field(
+        default=0.995,
+        gt=0,
+        lt=1,
+        description="Share of the tier's requests that must meet every SLO (the goodput "
+        "objective the burn-rate alerts read from gateway_slo_objective).",
+    )
 
 
 DEFAULT_TIERS = (
     TierSpec(name="interactive", priority=0, ttft_slo_s=1.0, tpot_slo_s=0.1, max_queue_wait_s=1.0),
     TierSpec(name="standard", priority=1, ttft_slo_s=5.0, tpot_slo_s=0.2, max_queue_wait_s=5.0),
-    TierSpec(name="batch", priority=2, ttft_slo_s=60.0, sheddable=True, max_queue_wait_s=60.0),
+    # Batch yields first under overload by design (shed, or turned away to keep room for the
+    # tiers above): its looser objective lets admission do that without paging anyone.
+    TierSpec(
+        name="batch",
+        priority=2,
+        ttft_slo_s=60.0,
+        sheddable=True,
+        max_queue_wait_s=60.0,
+        objective=0.95,
+    ),
 )
 
 
@@ -188,6 +219,48 @@ class Settings(BaseSettings):
     nonstream_timeout_s: float = Field(
         default=600.0, gt=0, description="Waiting for a whole non-streamed response."
     )
+    client_stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A streaming client that reads nothing for this long, once the server's "
+        "buffers for it are full, is cut (outcome client_stalled) and its worker request "
+        "cancelled; the worker is not blamed.",
+    )
+    client_send_buffer_bytes: int = Field(
+        default=131072,
+        ge=0,
+        description="Kernel send buffer of each client connection (SO_SNDBUF; Linux doubles "
+        "it). With uvicorn's 64 KiB write buffer it bounds what a client that stops reading "
+        "holds, and how soon its stall is seen. 0: the kernel's autotuning (up to "
+        "net.ipv4.tcp_wmem's maximum, often 4 MiB).",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A connection's opening (or a later request's first byte) to the end of "
+        "its headers; 408 and close beyond.",
+    )
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="End of the headers to the end of the body (408 beyond)."
+    )
+    keep_alive_timeout_s: int = Field(
+        default=20,
+        ge=1,
+        description="An idle keep-alive connection is closed after this long. Keep it above "
+        "the clients' pool expiry (httpx: 5 s) and a load balancer's idle timeout.",
+    )
+    max_header_bytes: int = Field(
+        default=32768, ge=1024, description="Request line and headers, in bytes (431 beyond)."
+    )
+    max_headers: int = Field(
+        default=100, ge=8, description="Header fields in one request (431 beyond)."
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Open client connections; a request on one beyond it gets 503 "
+        "gateway_saturated at once.",
+    )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
     )
@@ -258,8 +331,9 @@ class Settings(BaseSettings):
     )
     hardware: Hardware | None = Field(
         default=None,
-        description="Roofline figures (JSON: memory_bandwidth_gbs, model_params_billion, "
-        "dtype_bytes, kv_bytes_per_token) for the decode-bandwidth panel; none disables it.",
+        description="Peak figures per GPU for the roofline panels (JSON: memory_bandwidth_gbs, "
+        "peak_tflops; and model_params_billion, dtype_bytes, kv_bytes_per_token for engines "
+        "without vLLM's FLOPs and bytes counters); none disables them.",
     )
     drain_delay_s: float = Field(
         default=5.0,

@@ -61,13 +61,44 @@ def event_data(event: bytes) -> bytes:
     return b"\n".join(parts)
 
 
-def parse_usage(event: bytes) -> tuple[int, int] | None:
-    """``(prompt_tokens, completion_tokens)`` from a usage chunk, or None if it has none."""
+def event_json(event: bytes) -> Any:
+    """The decoded JSON payload of an event, or None if it is not JSON."""
     try:
-        payload: Any = json.loads(event_data(event))
+        return json.loads(event_data(event))
     except ValueError:
         return None
-    return usage_counts(payload)
+
+
+def parse_usage(event: bytes) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` from a usage chunk, or None if it has none."""
+    return usage_counts(event_json(event))
+
+
+# A chunk that ends a choice: its finish reason is a string, not null.
+FINISH = b'"finish_reason":"'
+
+
+def fingerprint_member(payload: Any) -> bytes:
+    """``,"system_fingerprint":"..."`` as vLLM writes it, from a chunk or response carrying it.
+
+    Empty when the worker sends no fingerprint (vLLM's ``--fingerprint-mode none``).
+    """
+    value = payload.get("system_fingerprint") if isinstance(payload, dict) else None
+    if not isinstance(value, str):
+        return b""
+    return b',"system_fingerprint":' + json.dumps(value, ensure_ascii=False).encode()
+
+
+def with_fingerprint(event: bytes, member: bytes) -> bytes:
+    """A finish chunk as vLLM sends it when no usage chunk follows: with the fingerprint last.
+
+    vLLM (0.32) stamps ``system_fingerprint`` on each choice's finish chunk only when the
+    client did not ask for ``include_usage``; otherwise the usage chunk carries it instead.
+    """
+    if not member or b'"system_fingerprint"' in event:
+        return event
+    end = event.rfind(b"}")
+    return event[:end] + member + event[end:]
 
 
 def usage_counts(payload: Any) -> tuple[int, int] | None:

@@ -1,6 +1,9 @@
 """Per-request timing on a monotonic clock: queue time, TTFT, ITL, TPOT, E2E and overhead.
 
-Definitions follow the standard benchmark clients (vLLM bench, aiperf, guidellm):
+Definitions follow the standard benchmark clients (vLLM bench, aiperf, guidellm), and the
+timestamps are taken where the client's would be: *arrival* is when the HTTP server read the
+request's first byte (:mod:`app.arrival`), and an event's time is when its bytes were handed to
+the client's socket (the relay's ``send`` returned), not when the worker's bytes came in.
 
 * queue time: arrival to the first dispatch upstream (the admission queue);
 * failover: time spent on attempts that failed before the first byte (not queue, not overhead);
@@ -81,7 +84,7 @@ class RequestTimer:
         self._failed_at = now
 
     def output(self, at: float) -> None:
-        """Record an event that carries output, received at ``at``."""
+        """Record an event that carries output, handed to the client at ``at``."""
         self._outputs.append(at)
 
     def add_overhead(self, seconds: float) -> None:
@@ -90,17 +93,17 @@ class RequestTimer:
 
     @property
     def first_output(self) -> float | None:
-        """When the first output event arrived, if one did."""
+        """When the first output event was sent, if one was."""
         return self._outputs[0] if self._outputs else None
 
     @property
     def last_output(self) -> float:
-        """When the latest output event arrived (call only once one has)."""
+        """When the latest output event was sent (call only once one was)."""
         return self._outputs[-1]
 
     @property
     def output_events(self) -> int:
-        """How many output events arrived."""
+        """How many output events were sent."""
         return len(self._outputs)
 
     def summary(self, completion_tokens: int | None, end: float | None = None) -> TimingSummary:

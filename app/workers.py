@@ -75,6 +75,8 @@ class Worker:
         """Running average of prompt + completion tokens per request (for the roofline)."""
         self.own_at_scrape = 0
         """``in_flight`` when ``load`` was read: the rest of what it counted is others'."""
+        self.fingerprint: bytes | None = None
+        """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
         self._busy: set[str] = set()
         self._occupancy = 0.0
         self._occupancy_at = 0.0
@@ -267,9 +269,12 @@ class WorkerPool:
         """Refresh the gauges that depend on time or on several figures (before an export)."""
         now = self._clock()
         self._metrics.set_load_age(now)
+        self._metrics.workers_known.set(len(self.workers))
+        self._metrics.workers_healthy.set(sum(1 for w in self.workers.values() if w.healthy(now)))
         for worker in self.workers.values():
             hardware = worker.spec.hardware or self.settings.hardware
             if hardware is not None:
+                self._metrics.set_hardware(worker.label, hardware)
                 load, _ = worker.current_load(now, self.settings.load_max_age_s)
                 # Sequences are on average half-way through their answers.
                 context = max(1.0, worker.context_tokens / 2)

@@ -257,6 +257,7 @@ def summarize(outcomes: Sequence[Outcome], duration: float) -> dict[str, dict[st
         ttfts = [o.ttft * 1000 for o in answered if o.ttft is not None]
         tpots = [o.tpot * 1000 for o in answered if o.tpot is not None]
         rejected = [o for o in mine if o.status in (429, 503)]
+        queued = [o.queue_ms for o in answered if o.queue_ms is not None]
         rows[name] = {
             "sent": len(mine),
             "answered_ok": len(answered),
@@ -267,6 +268,8 @@ def summarize(outcomes: Sequence[Outcome], duration: float) -> dict[str, dict[st
             "ttft_ms_p99": percentile(ttfts, 99),
             "tpot_ms_p50": percentile(tpots, 50),
             "tpot_ms_p99": percentile(tpots, 99),
+            "queue_ms_p99": percentile(queued, 99),
+            "queued": sum(q >= 1.0 for q in queued),
             "rejected": len(rejected),
             "rejected_pct": 100 * len(rejected) / len(mine) if mine else None,
             "other_errors": len(mine) - len(answered) - len(rejected),
@@ -286,8 +289,8 @@ def table(modes: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
     """One markdown table: a row per mode and tier."""
     lines = [
         "| admission | tier | sent | goodput req/s | SLO attainment | TTFT p50 / p99 ms "
-        "| TPOT p50 / p99 ms | rejected | other errors | lost |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TPOT p50 / p99 ms | queued >= 1 ms | queue p99 ms | rejected | other errors | lost |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, rows in modes.items():
         for tier, r in rows.items():
@@ -296,7 +299,8 @@ def table(modes: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
                 f"| {mode} | {tier} | {r['sent']} | {_fmt(r['goodput_rps'], 2)} "
                 f"| {_fmt(attainment)}% | {_fmt(r['ttft_ms_p50'], 0)} / "
                 f"{_fmt(r['ttft_ms_p99'], 0)} | {_fmt(r['tpot_ms_p50'])} / "
-                f"{_fmt(r['tpot_ms_p99'])} | {_fmt(r['rejected_pct'])}% | {r['other_errors']} "
+                f"{_fmt(r['tpot_ms_p99'])} | {r['queued']} | {_fmt(r['queue_ms_p99'])} "
+                f"| {_fmt(r['rejected_pct'])}% | {r['other_errors']} "
                 f"| {r['lost']} |"
             )
     return "\n".join(lines)
@@ -306,8 +310,9 @@ def sweep_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """A row per run: goodput and rejections on and off, interactive attainment, losses."""
     lines = [
         "| run | offered req/s | goodput on / off req/s | on / off | rejected on / off "
-        "| interactive attainment on / off | interactive TTFT p99 on / off ms | lost |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| queued on (p99 ms) | interactive attainment on / off "
+        "| interactive TTFT p99 on / off ms | lost |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
         on, off = run["results"]["on"], run["results"]["off"]
@@ -316,6 +321,7 @@ def sweep_table(runs: Sequence[Mapping[str, Any]]) -> str:
             f"| {run['name']} | {_fmt(run['offered_rps'])} "
             f"| {_fmt(on['all']['goodput_rps'], 2)} / {_fmt(off['all']['goodput_rps'], 2)} "
             f"| {_fmt(_ratio(run), 2)}x | {on['all']['rejected']} / {off['all']['rejected']} "
+            f"| {on['all']['queued']} ({_fmt(on['all']['queue_ms_p99'])}) "
             f"| {_fmt(None if a_on is None else 100 * a_on)}% / "
             f"{_fmt(None if a_off is None else 100 * a_off)}% "
             f"| {_fmt(on['interactive']['ttft_ms_p99'], 0)} / "
@@ -342,6 +348,12 @@ def checks(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     light = [r for r in runs if r.get("load") is not None and r["load"] <= 0.75]
     rejected = sum(r["results"]["on"]["all"]["rejected"] for r in light)
     check(rejected == 0, f"no rejection at or below 0.75x capacity: {rejected}")
+    queued = {r["name"]: r["results"]["on"]["all"]["queue_ms_p99"] for r in light}
+    check(
+        all(q is not None and q < 1.0 for q in queued.values()),
+        "queue time p99 under 1 ms at or below 0.75x: "
+        + ", ".join(f"{name} {_fmt(q, 2)} ms" for name, q in queued.items()),
+    )
     worse = [r["name"] for r in light if _ratio(r) < 1.0]
     check(not worse, f"goodput on >= off at or below 0.75x: {worse or 'every point'}")
     low = [f"{r['name']} {_ratio(r):.2f}x" for r in runs if _ratio(r) < 0.98]

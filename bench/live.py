@@ -143,6 +143,8 @@ class Outcome:
     e2e: float | None = None
     completion_tokens: int = 0
     retry_after: float | None = None
+    queue_ms: float | None = None
+    """The gateway's ``x-gateway-queue-ms``: how long admission held the request."""
     error: str | None = None
     """Why the request did not end with ``[DONE]``: an error event or a transport failure."""
     lost: bool = False
@@ -164,6 +166,7 @@ class Outcome:
             "e2e": self.e2e,
             "completion_tokens": self.completion_tokens,
             "retry_after": self.retry_after,
+            "queue_ms": self.queue_ms,
             "error": self.error,
             "lost": self.lost,
         }
@@ -199,6 +202,8 @@ async def stream_chat(
             "POST", f"{url}/v1/chat/completions", json=body, headers=dict(headers or {})
         ) as response:
             outcome.status = response.status_code
+            queued = response.headers.get("x-gateway-queue-ms")
+            outcome.queue_ms = float(queued) if queued else None
             if response.status_code != 200:
                 await response.aread()
                 value = response.headers.get("retry-after")

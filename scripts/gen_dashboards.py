@@ -31,6 +31,31 @@ T = 'tier=~"$tier"'
 M = 'model=~"$model"'
 W = 'worker=~"$worker"'
 VW = 'worker=~"$worker",model_name=~"$model"'
+SLO = "gateway_slo_requests_total"
+
+# The roofline, per worker. vLLM's estimated FLOPs and bytes are per GPU (an average over the
+# engines of a data-parallel worker); the peaks are GATEWAY_HARDWARE's, per GPU too.
+ENGINE_FLOPS = f"avg by (worker) (rate(vllm:estimated_flops_per_gpu_total{{{VW}}}[{RATE}]))"
+ENGINE_BYTES = (
+    f"avg by (worker) (rate(vllm:estimated_read_bytes_per_gpu_total{{{VW}}}[{RATE}]) "
+    f"+ rate(vllm:estimated_write_bytes_per_gpu_total{{{VW}}}[{RATE}]))"
+)
+PEAK_FLOPS = f"max by (worker) (gateway_worker_peak_flops_per_second{{{W}}})"
+BANDWIDTH = f"max by (worker) (gateway_worker_memory_bandwidth_bytes_per_second{{{W}}})"
+# An engine started without --enable-mfu-metrics exports the counters but never moves them:
+# only one whose counter has moved counts as having them.
+COUNTING = f"(max by (worker) (vllm:estimated_read_bytes_per_gpu_total{{{VW}}}) > 0)"
+# MBU from the engine's counters where it has them ("engine"), else the estimate from the
+# configured model: decode tokens/s over the roofline for the batch it ran ("estimate").
+MBU = (
+    f"label_replace(({ENGINE_BYTES} / on (worker) {BANDWIDTH}) and on (worker) {COUNTING}, "
+    '"source", "engine", "", "")'
+    " or on (worker) "
+    "label_replace(sum by (worker) "
+    f"(rate(gateway_worker_completion_tokens_total{{{W}}}[{RATE}])) / (max by (worker) "
+    f"(avg_over_time(gateway_worker_decode_roofline_tokens_per_second{{{W}}}[{RATE}])) > 0), "
+    '"source", "estimate", "", "")'
+)
 
 
 def target(ref: str, expr: str, legend: str, instant: bool = False) -> Json:
@@ -261,46 +286,111 @@ def dashboard(
     }
 
 
-GOODPUT_COLORS: list[tuple[str, float | None]] = [("red", None), ("orange", 0.9), ("green", 0.95)]
+# Error-budget burn rate: 1 spends a 30-day budget in 30 days; the pages fire at 6 and 14.4.
+BURN_COLORS: list[tuple[str, float | None]] = [("green", None), ("orange", 1), ("red", 6)]
+OBJECTIVE = "max by (tier) (gateway_slo_objective)"
+
+
+def burn_rate(matchers: str, window: str) -> str:
+    """The error budget's burn rate per tier and model over ``window``.
+
+    The share of requests that missed their SLO over the share the tier's objective allows
+    (1 - objective): 1 spends a 30-day budget in exactly 30 days.
+    """
+    unmet = share(SLO, 'result!="met"', matchers, "tier, model", window)
+    return f"({unmet}) / on (tier) group_left () (1 - {OBJECTIVE})"
 
 
 def overview() -> Json:
     """Gateway overview: goodput and SLOs first, then latency, traffic, admission, errors."""
     finished = 'result=~"met|missed_ttft|missed_tpot|missed_both"'
-    slo = "gateway_slo_requests_total"
+    slo = SLO
     panels = [
         row("Goodput and SLO attainment"),
         panel(
             "stat",
-            "Goodput per tier (5m)",
+            "Goodput over the range",
             "Share of requests that met every SLO of their tier (TTFT and, where the tier has "
-            "one, TPOT), over all finished plus rejected requests, in the last 5 minutes. "
-            "Rejected and errored requests count as misses.",
-            refs([(share(slo, 'result="met"', MT, "tier", "5m"), "{{tier}}")], instant=True),
+            "one, TPOT) over the dashboard's whole time range, per tier and model, from the "
+            "gateway's counters. Rejected and errored requests count as misses. No requests in "
+            "the range: no value.",
+            refs(
+                [(share(slo, 'result="met"', MT, "tier, model", "$__range"), "{{tier}} {{model}}")],
+                instant=True,
+            ),
             unit="percentunit",
-            width=8,
+            width=6,
             minimum=0,
             maximum=1,
-            thresholds=GOODPUT_COLORS,
+        ),
+        panel(
+            "stat",
+            "Error budget burn rate over the range",
+            "The share of requests that missed their SLO over the dashboard's range, divided by "
+            "the share the tier's objective allows (1 - gateway_slo_objective). 1 spends a "
+            "30-day error budget in exactly 30 days; green below 1, orange from 1 (the budget "
+            "will not last the month), red from 6 (the 6-hour page's pace).",
+            refs([(burn_rate(MT, "$__range"), "{{tier}} {{model}}")], instant=True),
+            unit="x",
+            width=6,
+            thresholds=BURN_COLORS,
         ),
         panel(
             "timeseries",
-            "Goodput per tier (gateway's live window)",
-            "gateway_goodput_ratio: the gateway's own sliding-window goodput per tier, the figure "
-            "admission steers by. Dashed lines: 90% and 95%.",
-            refs([(f"gateway_goodput_ratio{{{T}}}", "{{tier}}")]),
+            "Goodput per tier and model",
+            "Share of requests that met every SLO, per tier and model, over each point's rate "
+            "interval, from the gateway's counters (gateway_slo_requests_total): a window with "
+            "no requests shows a gap, never an old figure.",
+            refs([(share(slo, 'result="met"', MT, "tier, model"), "{{tier}} {{model}}")]),
             unit="percentunit",
-            width=16,
+            width=12,
             maximum=1,
-            thresholds=GOODPUT_COLORS,
+        ),
+        panel(
+            "timeseries",
+            "Error budget burn rate (alert windows)",
+            "The burn rate the SLO alerts see, per tier and model, over their long windows: "
+            "1 hour (pages at 14.4 when the last 5 minutes agree) and 6 hours (pages at 6 when "
+            "the last 30 minutes agree). Dashed: 6 and 14.4.",
+            refs(
+                [
+                    (burn_rate(MT, "1h"), "1h {{tier}} {{model}}"),
+                    (burn_rate(MT, "6h"), "6h {{tier}} {{model}}"),
+                ]
+            ),
+            unit="x",
+            width=12,
+            thresholds=[("green", None), ("orange", 6), ("red", 14.4)],
+        ),
+        panel(
+            "timeseries",
+            "SLO results per tier",
+            "Requests per second by SLO result, per tier and model: met, missed_ttft, "
+            "missed_tpot, missed_both, missed_e2e, rejected (by admission) and errored.",
+            refs(
+                [
+                    (
+                        f"sum by (tier, model, result) (rate({slo}{{{MT}}}[{RATE}]))",
+                        "{{tier}} {{model}} {{result}}",
+                    )
+                ]
+            ),
+            unit="reqps",
+            width=12,
+            stack=True,
         ),
         panel(
             "timeseries",
             "TTFT SLO attainment per tier",
             "Share of finished requests whose time to first token met the tier's TTFT target "
-            "(results met or missed_tpot over all finished requests).",
+            "(results met or missed_tpot over all finished requests), per tier and model.",
             refs(
-                [(share(slo, 'result=~"met|missed_tpot"', f"{MT},{finished}", "tier"), "{{tier}}")]
+                [
+                    (
+                        share(slo, 'result=~"met|missed_tpot"', f"{MT},{finished}", "tier, model"),
+                        "{{tier}} {{model}}",
+                    )
+                ]
             ),
             unit="percentunit",
             width=8,
@@ -310,40 +400,41 @@ def overview() -> Json:
             "timeseries",
             "TPOT SLO attainment per tier",
             "Share of finished requests whose time per output token met the tier's TPOT target "
-            "(results met or missed_ttft over all finished requests). A tier without a TPOT "
-            "target (batch) always attains it.",
+            "(results met or missed_ttft over all finished requests), per tier and model. A tier "
+            "without a TPOT target (batch) always attains it.",
             refs(
-                [(share(slo, 'result=~"met|missed_ttft"', f"{MT},{finished}", "tier"), "{{tier}}")]
+                [
+                    (
+                        share(slo, 'result=~"met|missed_ttft"', f"{MT},{finished}", "tier, model"),
+                        "{{tier}} {{model}}",
+                    )
+                ]
             ),
             unit="percentunit",
             width=8,
             maximum=1,
         ),
         panel(
-            "timeseries",
-            "SLO results per tier",
-            "Requests per second by SLO result: met, missed_ttft, missed_tpot, missed_both, "
-            "rejected (by admission) and errored.",
-            refs([(f"sum by (tier, result) (rate({slo}{{{MT}}}[{RATE}]))", "{{tier}} {{result}}")]),
-            unit="reqps",
-            width=8,
-            stack=True,
-        ),
-        panel(
             "stat",
-            "Tier SLO targets",
-            "The TTFT and TPOT targets the gateway is configured with, per tier. Batch has no "
-            "TPOT target.",
+            "Tier SLO targets and objectives",
+            "The TTFT and TPOT targets and the goodput objective the gateway is configured "
+            "with, per tier (GATEWAY_TIERS). Batch has no TPOT target.",
             refs(
                 [
                     (f"max by (tier) (gateway_tier_slo_ttft_seconds{{{T}}})", "TTFT {{tier}}"),
                     (f"max by (tier) (gateway_tier_slo_tpot_seconds{{{T}}})", "TPOT {{tier}}"),
+                    (f"max by (tier) (gateway_slo_objective{{{T}}})", "objective {{tier}}"),
                 ],
                 instant=True,
             ),
             unit="s",
-            width=24,
-            height=4,
+            width=8,
+            overrides=[
+                {
+                    "matcher": {"id": "byRegexp", "options": "^objective .*"},
+                    "properties": [{"id": "unit", "value": "percentunit"}],
+                }
+            ],
         ),
         row("Latency per tier and model"),
         panel(
@@ -642,12 +733,8 @@ def overview() -> Json:
 
 
 def workers() -> Json:
-    """Workers: health, routing, load, measured latency and the decode roofline."""
+    """Workers: health, routing, load, saturation, measured latency and the roofline."""
     achieved = f"sum by (worker) (rate(gateway_worker_completion_tokens_total{{{W}}}[{RATE}]))"
-    utilisation = (
-        f"{achieved} / (max by (worker) "
-        f"(avg_over_time(gateway_worker_decode_roofline_tokens_per_second{{{W}}}[{RATE}])) > 0)"
-    )
     panels = [
         row("Health and routing"),
         panel(
@@ -686,12 +773,13 @@ def workers() -> Json:
         panel(
             "stat",
             "Healthy workers",
-            "Workers up and not ejected, out of all workers the gateway knows. With several "
-            "gateway replicas a worker counts once, as healthy only if every replica sees it so.",
+            "Workers up and not ejected, out of all workers the gateway knows (0 of 0 when it "
+            "knows none). With several gateway replicas a worker counts once, as healthy only if "
+            "every replica sees it so.",
             refs(
                 [
-                    (f"sum(min by (worker) (gateway_worker_up{{{W}}}))", "healthy"),
-                    (f"count(max by (worker) (gateway_worker_up{{{W}}}))", "known"),
+                    (f"sum(min by (worker) (gateway_worker_up{{{W}}})) or vector(0)", "healthy"),
+                    (f"count(max by (worker) (gateway_worker_up{{{W}}})) or vector(0)", "known"),
                 ],
                 instant=True,
             ),
@@ -775,29 +863,12 @@ def workers() -> Json:
         ),
         panel(
             "timeseries",
-            "KV-cache use",
-            "Share of the worker's KV-cache blocks in use: the gateway's scraped copy and vLLM's "
-            "own vllm:kv_cache_usage_perc (a 0..1 ratio despite its name).",
-            refs(
-                [
-                    (
-                        f"max by (worker) (gateway_worker_kv_cache_usage_ratio{{{W}}})",
-                        "gateway {{worker}}",
-                    ),
-                    (f"max by (worker) (vllm:kv_cache_usage_perc{{{VW}}})", "vLLM {{worker}}"),
-                ]
-            ),
-            unit="percentunit",
-            maximum=1,
-            thresholds=[("green", None), ("red", 0.95)],
-        ),
-        panel(
-            "timeseries",
             "Load signal age",
             "Age of the worker's load figures at export time; above a few seconds routing ranks "
             "the worker behind every fresh one.",
             refs([(f"max by (worker) (gateway_worker_load_age_seconds{{{W}}})", "{{worker}}")]),
             unit="s",
+            width=8,
         ),
         panel(
             "timeseries",
@@ -827,6 +898,7 @@ def workers() -> Json:
                     ),
                 ]
             ),
+            width=8,
         ),
         panel(
             "timeseries",
@@ -845,6 +917,77 @@ def workers() -> Json:
                 ]
             ),
             unit="s",
+            width=8,
+        ),
+        row("Saturation (vLLM's own figures)"),
+        panel(
+            "timeseries",
+            "KV-cache use",
+            "Share of the worker's KV-cache blocks in use: the gateway's scraped copy and vLLM's "
+            "own vllm:kv_cache_usage_perc (a 0..1 ratio despite its name).",
+            refs(
+                [
+                    (
+                        f"max by (worker) (gateway_worker_kv_cache_usage_ratio{{{W}}})",
+                        "gateway {{worker}}",
+                    ),
+                    (f"max by (worker) (vllm:kv_cache_usage_perc{{{VW}}})", "vLLM {{worker}}"),
+                ]
+            ),
+            unit="percentunit",
+            maximum=1,
+            thresholds=[("green", None), ("red", 0.95)],
+        ),
+        panel(
+            "timeseries",
+            "Waiting requests by reason",
+            "vllm:num_requests_waiting_by_reason: requests the worker holds back, by why: "
+            "capacity (no room in the running batch or KV cache: the worker is full; admission "
+            "stops sending to it) or deferred (transient: LoRA budget, KV transfer).",
+            refs(
+                [
+                    (
+                        f"sum by (worker, reason) (vllm:num_requests_waiting_by_reason{{{VW}}})",
+                        "{{reason}} {{worker}}",
+                    )
+                ]
+            ),
+        ),
+        panel(
+            "timeseries",
+            "Preemptions",
+            "vllm:num_preemptions_total per second: running requests the worker evicted to free "
+            "KV-cache blocks (they are recomputed later, so their tokens stall). Any steady rate "
+            "means the KV cache is too small for the batch admission lets run.",
+            refs(
+                [
+                    (
+                        f"sum by (worker) (rate(vllm:num_preemptions_total{{{VW}}}[{RATE}]))",
+                        "{{worker}}",
+                    )
+                ]
+            ),
+            unit="ops",
+        ),
+        panel(
+            "timeseries",
+            "Prefix-cache hit rate",
+            "Share of prompt tokens the worker found in its prefix cache "
+            "(vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total): what session "
+            "affinity (x-session-id) earns. Only whole KV blocks are cached, so prompts shorter "
+            "than a block never hit.",
+            refs(
+                [
+                    (
+                        f"sum by (worker) (rate(vllm:prefix_cache_hits_total{{{VW}}}[{RATE}])) / "
+                        "(sum by (worker) "
+                        f"(rate(vllm:prefix_cache_queries_total{{{VW}}}[{RATE}])) > 0)",
+                        "{{worker}}",
+                    )
+                ]
+            ),
+            unit="percentunit",
+            maximum=1,
         ),
         row("Measured latency per worker"),
         panel(
@@ -897,69 +1040,71 @@ def workers() -> Json:
             ),
             unit="s",
         ),
-        row("Decode roofline"),
+        row("Roofline (engine counters)"),
         panel(
             "timeseries",
-            "Decode tokens per second: achieved vs roofline",
-            "Achieved: completion tokens per second the worker produced for the gateway. "
-            "vLLM: the worker's own generation tokens per second. Roofline: the memory-bandwidth "
-            "limit for the batch it is running (running x bandwidth / bytes read per decode "
-            "step: weights + KV cache).",
-            refs(
-                [
-                    (achieved, "achieved {{worker}}"),
-                    (
-                        f"sum by (worker) (rate(vllm:generation_tokens_total{{{VW}}}[{RATE}]))",
-                        "vLLM {{worker}}",
-                    ),
-                    (
-                        "max by (worker) "
-                        f"(gateway_worker_decode_roofline_tokens_per_second{{{W}}})",
-                        "roofline {{worker}}",
-                    ),
-                ]
-            ),
-            unit="short",
+            "Model FLOPs utilisation (MFU)",
+            "FLOP/s the engine estimates it performs per GPU (vllm:estimated_flops_per_gpu_total, "
+            "vLLM's --enable-mfu-metrics) over the worker's configured peak "
+            "(gateway_worker_peak_flops_per_second, from GATEWAY_HARDWARE's peak_tflops). Decode "
+            "is memory-bound: expect MFU far below MBU unless batches are large or prefill "
+            "dominates.",
+            refs([(f"{ENGINE_FLOPS} / on (worker) {PEAK_FLOPS}", "{{worker}}")]),
+            unit="percentunit",
             width=8,
         ),
         panel(
             "timeseries",
-            "Memory-bandwidth utilisation",
-            "Achieved decode tokens per second over the roofline averaged over the same window: "
-            "how close decoding runs to the memory-bandwidth limit.",
-            refs([(utilisation, "{{worker}}")]),
+            "Memory-bandwidth utilisation (MBU)",
+            "Bytes per second the engine estimates it reads and writes per GPU "
+            "(vllm:estimated_read_bytes_per_gpu_total + _write_bytes_per_gpu_total) over the "
+            "worker's configured bandwidth (source engine). For an engine that does not count "
+            "them, the estimate from GATEWAY_HARDWARE's model figures instead: decode tokens/s "
+            "over the memory-bandwidth roofline of the batch it runs (source estimate).",
+            refs([(MBU, "{{worker}} ({{source}})")]),
             unit="percentunit",
             width=8,
             thresholds=[("green", None), ("orange", 0.8)],
         ),
         panel(
             "timeseries",
-            "Memory bandwidth: used vs available",
-            "Bandwidth the decoding uses (utilisation x bandwidth) against the worker's memory "
-            "bandwidth from the gateway's settings.",
+            "Arithmetic intensity vs ridge point",
+            "FLOPs per byte of memory traffic the engine estimates, against the worker's ridge "
+            "point (peak FLOP/s / bandwidth). Below the ridge the work is memory-bound, and MBU "
+            "is the utilisation to read; above it compute-bound, and MFU is.",
             refs(
                 [
+                    (f"{ENGINE_FLOPS} / {ENGINE_BYTES}", "intensity {{worker}}"),
+                    (f"{PEAK_FLOPS} / on (worker) {BANDWIDTH}", "ridge {{worker}}"),
+                ]
+            ),
+            unit="none",
+            width=8,
+        ),
+        panel(
+            "timeseries",
+            "Decode tokens per second",
+            "Completion tokens per second the worker produced for the gateway, and vLLM's own "
+            "generation tokens per second (all its clients).",
+            refs(
+                [
+                    (achieved, "gateway {{worker}}"),
                     (
-                        f"({utilisation}) * on (worker) max by (worker) "
-                        f"(gateway_worker_memory_bandwidth_bytes_per_second{{{W}}})",
-                        "used {{worker}}",
-                    ),
-                    (
-                        "max by (worker) "
-                        f"(gateway_worker_memory_bandwidth_bytes_per_second{{{W}}})",
-                        "available {{worker}}",
+                        f"sum by (worker) (rate(vllm:generation_tokens_total{{{VW}}}[{RATE}]))",
+                        "vLLM {{worker}}",
                     ),
                 ]
             ),
-            unit="Bps",
-            width=8,
+            unit="short",
+            width=24,
+            height=6,
         ),
     ]
     return dashboard(
         "goodput-gateway-workers",
         "Goodput Gateway / Workers",
-        "Per vLLM worker: health, routed share, load, measured latency and the decode "
-        "roofline (achieved tokens/s against the memory-bandwidth limit).",
+        "Per vLLM worker: health, routed share, load, saturation, measured latency and the "
+        "roofline (MFU and MBU from the engine's own FLOPs and bytes counters).",
         [
             query_variable("worker", "Worker", "gateway_worker_up", "worker"),
             query_variable("model", "Model", "vllm:num_requests_running", "model_name"),

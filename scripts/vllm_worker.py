@@ -34,12 +34,15 @@ WORKER_PYTHON = ROOT / ".venv-worker" / "bin" / "python"
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 RUN_DIR = ROOT / ".run"
 
-# Roofline figures of the tiny model for the gateway's GATEWAY_HARDWARE (the Workers dashboard's
-# bandwidth panels): 807,552 parameters in bf16; KV cache 2 (K, V) x 2 layers x 2 KV heads x
-# 32 dims x 2 bytes per token. The bandwidth is a nominal figure for one DDR4 channel, not a
-# measurement of this machine; set GATEWAY_HARDWARE for real hardware.
+# Roofline figures for the gateway's GATEWAY_HARDWARE (the Workers dashboard's MFU and MBU
+# panels). The peaks are NOMINAL, not measurements of this machine: one DDR4-3200 channel
+# (25.6 GB/s) and one x86 core with AVX2 FMA at 2.5 GHz (2 units x 8 fp32 lanes x 2 FLOP per
+# cycle = 40 GFLOP/s). The model figures feed only the estimate for engines without vLLM's
+# FLOPs and bytes counters: 807,552 parameters in bf16; KV cache 2 (K, V) x 2 layers x 2 KV
+# heads x 32 dims x 2 bytes per token. Set GATEWAY_HARDWARE for real hardware.
 TINY_LLAMA_HARDWARE = {
-    "memory_bandwidth_gbs": 20.0,
+    "memory_bandwidth_gbs": 25.6,
+    "peak_tflops": 0.04,
     "model_params_billion": 0.000807552,
     "dtype_bytes": 2.0,
     "kv_bytes_per_token": 512.0,
@@ -232,6 +235,9 @@ class VllmWorker:
             self.host,
             "--port",
             str(self.port),
+            # The engine counts its estimated FLOPs and bytes (vllm:estimated_*_per_gpu_total),
+            # which the Workers dashboard's MFU and MBU divide by the worker's peaks.
+            "--enable-mfu-metrics",
             *self.extra_args,
         ]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -89,7 +89,7 @@ class FakeWorker:
     def sse(self, events: AsyncIterator[bytes]) -> httpx.Response:
         """A streaming response whose generator records being cancelled."""
 
-        async def guarded() -> AsyncIterator[bytes]:
+        async def guarded() -> AsyncGenerator[bytes, None]:
             try:
                 async for event in events:
                     yield event
@@ -97,7 +97,28 @@ class FakeWorker:
                 self.cancelled.set()
                 raise
 
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=guarded())
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=WorkerStream(guarded())
+        )
+
+
+class WorkerStream(httpx.AsyncByteStream):
+    """A streamed body that stops its generator when the gateway closes the response.
+
+    A real worker sees its connection close; a plain generator behind httpx.MockTransport would
+    only notice when it is next pulled, or garbage-collected.
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        self._events = events
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for event in self._events:
+            yield event
+
+    async def aclose(self) -> None:
+        """The gateway closed the response: the generation stops."""
+        await self._events.aclose()
 
 
 async def tokens(n: int, gap: float = 0.0, usage: bool = True) -> AsyncIterator[bytes]:

@@ -11,6 +11,7 @@ import httpx
 import uvicorn
 
 from app.app import create_app
+from app.server import server_config
 from app.settings import Settings
 
 
@@ -28,13 +29,12 @@ async def running_gateway(
 ) -> AsyncIterator[str]:
     """Serve a gateway on a free port; yield its base URL; shut it down afterwards."""
     port = free_port()
-    config = uvicorn.Config(
+    config = server_config(
         create_app(settings, transport=transport),
+        settings,
         host="127.0.0.1",
         port=port,
-        http="httptools",
         log_level="warning",
-        access_log=False,
         lifespan="on",
     )
     server = uvicorn.Server(config)

@@ -179,32 +179,32 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     # No higher-tier traffic: batch may fill the worker.
     worker.in_flight = 19
     assert not admission._full(worker, batch)
-    # Interactive requests hold a slot 4 s and arrive once a second for 10 s: the long window
-    # says 10/9 per second, the last 2 s 3/2 per second; the larger counts. 1.5 x 4 = 6
-    # expected, + 2 x sqrt(6) -> 11 slots kept: batch and standard stop at 20 - 11 = 9.
+    # Interactive requests hold a slot 4 s and arrive once a second for 10 s: the window says
+    # 10/9 per second (3 in the last 2 s is no surge). 4.44 expected, + 2 x sqrt(4.44) -> 9
+    # slots kept: batch and standard stop at 20 - 9 = 11.
     admission.completed("interactive", 4.0)
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     for tier in (batch, standard):
-        worker.in_flight = 8
+        worker.in_flight = 10
         assert not admission._full(worker, tier)
-        worker.in_flight = 9
+        worker.in_flight = 11
         assert admission._full(worker, tier)
     assert not admission._full(worker, interactive)
-    # Slots interactive holds already count: with 5 of its requests running, 6 more are kept.
+    # Slots interactive holds already count: with 5 of its requests running, 4 more are kept.
     worker.tier_in_flight["interactive"] = 5
-    worker.in_flight = 13
+    worker.in_flight = 15
     assert not admission._full(worker, batch)
-    worker.in_flight = 14
+    worker.in_flight = 16
     assert admission._full(worker, batch)
-    # Spread over two workers: 3 expected per worker, + 2 x sqrt(3) -> 7 kept.
+    # Spread over two workers: 2.22 expected per worker, + 2 x sqrt(2.22) -> 6 kept.
     worker.tier_in_flight["interactive"] = 0
-    worker.in_flight = 12
-    assert not admission._full(worker, batch, workers=2)
     worker.in_flight = 13
+    assert not admission._full(worker, batch, workers=2)
+    worker.in_flight = 14
     assert admission._full(worker, batch, workers=2)
-    # A surge (9 more in the last instant) is seen at once: 6/s x 4 s = 24 expected, more than
-    # the worker has; a lower tier only gets the last slot of an otherwise empty worker.
+    # A surge (9 more in the last instant) is seen at once: 18/s x 4 s = 72 expected, more
+    # than the worker has; a lower tier only gets the last slot of an otherwise empty worker.
     _arrive(admission, [(clock.now, interactive.priority) for _ in range(9)])
     clock.now += 0.01
     worker.in_flight = 0
@@ -217,6 +217,36 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     assert not admission._full(worker, batch)
 
 
+def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_saturate() -> None:
+    """Below saturation a lower tier takes any free slot: nothing is held back on a guess."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 20
+    interactive = _tier(settings, "interactive")
+    batch = _ticket(settings, clock, "batch")
+    admission.completed("interactive", 4.0)
+    for t in range(10):
+        admission.demand.arrived(interactive.priority, clock.now - 9 + t)
+    # 10/9 per second x 4 s = 4.4 slots expected in all, of the worker's 20: the 9 that _full
+    # would keep for interactive (4.4 + 2 x sqrt(4.4)) are not kept; batch runs in the 19th.
+    worker.in_flight = 18
+    assert admission._full(worker, batch.tier)
+    assert admission._try(batch, clock.now) is not None
+    # Three within 0.2 s: under the old rule the last half second said 6/s (24 slots); at 1/s
+    # three in half a second is chance, and still nothing is held back.
+    _arrive(admission, [(clock.now + 0.1 * k, interactive.priority) for k in range(3)])
+    clock.now += 0.21
+    assert admission.demand.expected_total(clock.now) < 20
+    assert admission._try(batch, clock.now) is not None
+    # A surge: 36 more in the next second, more slots expected than the worker runs. Now the
+    # slots are kept, and batch waits while interactive gets in.
+    _arrive(admission, [(clock.now + k / 36, interactive.priority) for k in range(36)])
+    clock.now += 1.0
+    assert admission._try(batch, clock.now) is None
+    assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
+
+
 def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_load() -> None:
     # Default targets: strictest TPOT 100 ms, aim 80 ms. Interactive arrives at 1/s.
     clock = FakeClock()
@@ -227,16 +257,16 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     # Learnt at a light load: 0.3 s to the first token, then 63 tokens at 40 ms (2.82 s held).
-    # At the aim those tokens take 5.04 s: 5.34 s held. At 1.5/s (3 in the last 2 s) 8.01
-    # slots are expected and ceil(8.01 + 2 x sqrt(8.01)) = 14 are kept: batch stops at 26.
-    # Counting the 2.82 s seen would keep ceil(4.23 + 2 x sqrt(4.23)) = 9 and let it run to 31.
+    # At the aim those tokens take 5.04 s: 5.34 s held. At 10/9 per second 5.93 slots are
+    # expected and ceil(5.93 + 2 x sqrt(5.93)) = 11 are kept: batch stops at 29. Counting the
+    # 2.82 s seen would keep ceil(3.13 + 2 x sqrt(3.13)) = 7 and let it run to 33.
     admission.completed("interactive", 2.82, decode_s=2.52, decoded=63)
     assert admission.demand.expected_slots(clock.now)[interactive.priority] == pytest.approx(
-        (0.3 + 63 * 0.08) * 1.5
+        (0.3 + 63 * 0.08) * 10 / 9
     )
-    worker.in_flight = 25
+    worker.in_flight = 28
     assert not admission._full(worker, batch)
-    worker.in_flight = 26
+    worker.in_flight = 29
     assert admission._full(worker, batch)
     # A stream that decoded slower than the aim counts as it was.
     admission, _, _, _ = _controller(clock)
@@ -245,24 +275,27 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     assert admission.demand._held[interactive.priority] == pytest.approx(6.6)
 
 
-def test_a_surge_is_read_from_the_shortest_span_with_enough_arrivals() -> None:
+def test_a_surge_is_read_from_the_shortest_span_where_it_cannot_be_chance() -> None:
     clock = FakeClock()
     admission, _, _, _ = _controller(clock)
     admission.completed("interactive", 4.0)  # its requests hold a slot 4 s
     top = 0
-    # A trickle: one arrival a second for 10 s reads as 1/s (one or two in a short span is
-    # not a rate).
+    # A trickle: one arrival a second for 10 s reads as 1/s.
     for t in range(10):
         admission.demand.arrived(top, clock.now - 9.5 + t)
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(10 / 9.5 * 4)
-    # Three more within 0.2 s: the last half second says 6/s, so 24 slots are expected at
-    # once (the last second, 4 arrivals, says only 4/s).
+    # Three more within 0.2 s: at about 1/s, three in half a second happen by chance (fewer
+    # than 4 standard deviations above the half arrival expected); the rate stays the window's.
     clock.now += 0.3
     _arrive(admission, [(clock.now - 0.3 + 0.1 * i, top) for i in range(3)])
-    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(3 / 0.5 * 4)
-    # A second later the last second is empty; the last 2 s hold 4: 2/s.
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(13 / 9.8 * 4)
+    # Three more: six in the last half second cannot be chance: 12/s, 48 slots at once (the
+    # last second, 7 arrivals, says only 7/s).
+    _arrive(admission, [(clock.now, top) for _ in range(3)])
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(6 / 0.5 * 4)
+    # A second later the last second is empty and 7 in the last 2 s are no surge at 1.5/s.
     clock.now += 1.0
-    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(4 / 2.0 * 4)
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(15 / 9.8 * 4)
 
 
 def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -> None:

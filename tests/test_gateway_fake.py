@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from pydantic import TypeAdapter
 
 from tests.fake_upstream import DONE, MODEL, FakeWorker, chunk, tokens
 from tests.servers import running_gateway, settings_for
@@ -18,8 +20,11 @@ WORKER = "http://fake-worker:8100"
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
+_LAX_BOOL = TypeAdapter(bool | None)  # vLLM's type for "stream"
+
+
 async def _ok(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
-    if body.get("stream"):
+    if _LAX_BOOL.validate_python(body.get("stream")):
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=tokens(4))
     return httpx.Response(
         200,
@@ -109,16 +114,33 @@ async def test_unknown_fields_pass_through_and_non_stream_works(
         (b'{"model": "fake-model", "messages": [{"content": "\xff\xfe"}]}', 400, "invalid_utf8",
          None),
         (b"[1, 2]", 400, "invalid_json", None),
-        (b'{"messages": []}', 400, "missing_required_parameter", "model"),
+        (b'{"model": "fake-model"}', 400, "missing_required_parameter", "messages"),
         (b'{"model": 5, "messages": []}', 400, "invalid_type", "model"),
         (b'{"model": "fake-model", "messages": "hi"}', 400, "invalid_type", "messages"),
-        (b'{"model": "fake-model", "messages": [], "stream": "yes"}', 400, "invalid_type",
+        # What vLLM's lax types refuse too: "maybe" is no bool, 4.5 no int.
+        (b'{"model": "fake-model", "messages": [], "stream": "maybe"}', 400, "invalid_type",
          "stream"),
-        (b'{"model": "fake-model", "messages": [], "max_tokens": "5"}', 400, "invalid_type",
+        (b'{"model": "fake-model", "messages": [], "max_tokens": "4.5"}', 400, "invalid_type",
          "max_tokens"),
+        (b'{"model": "fake-model", "messages": [], "max_tokens": -1}', 400, "invalid_type",
+         "max_tokens"),
+        (b'{"model": "fake-model", "messages": [], "stream": true, "stream_options": '
+         b'{"continuous_usage_stats": "maybe"}}', 400, "invalid_type",
+         "stream_options.continuous_usage_stats"),
         (b'{"model": "nope", "messages": []}', 404, "model_not_found", "model"),
         (b'{"model": "fake-model", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
          "invalid_json", None),
+        # Issue 21's decode edge cases: each a 400, never a 500.
+        (b'{"model": "fake-model", "messages": [], "max_tokens": 1' + b"0" * 400 + b"}", 400,
+         "invalid_type", "max_tokens"),
+        (b'{"model": "fake-model", "messages": [], "max_completion_tokens": 2147483648}', 400,
+         "invalid_type", "max_completion_tokens"),
+        (b'{"model": "fake-model", "messages": [], "seed": ' + b"7" * 5000 + b"}", 400,
+         "invalid_json", None),
+        (b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+         "invalid_unicode", None),
+        (b'{"model": "fake-model", "messages": [], "user": "a\\udfffb"}', 400, "invalid_unicode",
+         None),
     ],
 )  # fmt: skip
 async def test_bad_input_gets_openai_shaped_errors(
@@ -135,6 +157,66 @@ async def test_bad_input_gets_openai_shaped_errors(
     assert error["type"] == "invalid_request_error"
     assert error["message"]
     assert worker.requests == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "stream"),
+    [
+        ({"max_tokens": 4.0}, False),
+        ({"max_tokens": "4", "max_completion_tokens": " 4 "}, False),
+        ({"stream": "false"}, False),
+        ({"stream": 0}, False),
+        ({"stream": "yes"}, True),
+        ({"stream": 1, "stream_options": {"include_usage": "yes"}}, True),
+        ({"n": "2", "user": "someone"}, False),
+        ({"model": None}, False),
+        ({"model": "", "stream": True}, True),
+    ],
+)
+async def test_what_vllms_lax_types_accept_is_relayed_as_sent(
+    ok_gateway: tuple[str, FakeWorker], fields: dict[str, Any], stream: bool
+) -> None:
+    """vLLM's pydantic models coerce these; the gateway reads them alike and forwards the bytes."""
+    url, worker = ok_gateway
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream") is stream
+    if stream and "stream_options" not in fields:
+        # Usage asked for the gateway's own count, not passed to the client.
+        assert worker.requests[-1] == {**body, "stream_options": {"include_usage": True}}
+        assert b'"usage"' not in r.content
+    else:
+        assert worker.requests[-1] == body
+
+
+async def test_a_request_without_model_goes_to_the_only_model_or_is_a_400() -> None:
+    """vLLM serves its first model when none is named; a fleet of several models has none."""
+    worker = FakeWorker(_ok)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2})
+            metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200
+    assert worker.requests[-1] == {"messages": [], "max_tokens": 2}  # sent as it came
+    assert f'gateway_requests_total{{endpoint="chat",model="{MODEL}",outcome="ok"' in metrics
+
+    async def two_models(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            card = {"id": request.url.host, "object": "model"}
+            return httpx.Response(200, json={"object": "list", "data": [card]})
+        return httpx.Response(200, text="")
+
+    settings = settings_for("http://model-a:8100,http://model-b:8100")
+    async with running_gateway(settings, httpx.MockTransport(two_models)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "model"
+    assert error["code"] == "missing_required_parameter"
+    assert "model-a, model-b" in error["message"]
 
 
 async def test_oversized_body_is_refused_without_reading_it() -> None:
@@ -454,3 +536,24 @@ async def test_out_of_file_descriptors_is_the_gateways_own_503_never_the_workers
     assert 'gateway_saturated_total{resource="upstream_connections"} 6.0' in metrics
     assert 'gateway_worker_ejections_total{worker="fake-worker:8100"} 0.0' in metrics
     assert 'gateway_worker_up{worker="fake-worker:8100"} 1.0' in metrics
+
+
+async def test_a_key_with_non_ascii_characters_matches_on_its_utf8_bytes() -> None:
+    key = "sk-clé-Größe-鍵-🔑"
+    spec = {"sha256": hashlib.sha256(key.encode()).hexdigest(), "name": "unicode"}
+    settings = settings_for(WORKER, api_keys=[spec])
+    async with running_gateway(settings, FakeWorker(_ok).transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            ok = await client.post(
+                "/v1/chat/completions",
+                json=_chat(stream=False),
+                headers={b"authorization": b"Bearer " + key.encode()},  # its UTF-8 bytes
+            )
+            wrong = await client.post(
+                "/v1/chat/completions",
+                json=_chat(stream=False),
+                headers={b"authorization": b"Bearer " + key[:-1].encode()},
+            )
+    assert ok.status_code == 200
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"

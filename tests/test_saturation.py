@@ -210,3 +210,28 @@ def test_a_lease_is_released_once_whatever_happens() -> None:
     assert not lease.release(clock.now + 2)
     assert (worker.in_flight, worker.prefilling, worker.tier_in_flight["standard"]) == (0, 0, 0)
     assert worker.prefill_tokens_ahead == 0
+
+
+def test_the_learnt_decode_line_lowers_an_untested_limit_but_light_traffic_does_not() -> None:
+    clock = FakeClock()
+    admission, pool, _, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    # Sequential traffic: every stream ran alone. Nothing is known of how TPOT grows.
+    for _ in range(50):
+        worker.latency.observe_tpot(1.0, 0.03)
+        limits.learn(worker, 0.02, 0.03, 1, clock.now, 1.0)
+    assert limits.cap(worker) == 256
+    # A worker whose pace does not depend on its batch (a fixed-timing worker): no bound.
+    for load in range(1, 60):
+        worker.latency.observe_tpot(float(load), 0.01)
+        limits.learn(worker, 0.02, 0.01, 1, clock.now, float(load))
+    assert limits.cap(worker) == 256
+    # Streams at 5-40 running, TPOT = 20 ms + 2 ms per running stream: 30 keep the 80 ms aim.
+    admission, pool, _, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    for _ in range(3):
+        for load in range(5, 41, 5):
+            tpot = 0.02 + 0.002 * load
+            worker.latency.observe_tpot(float(load), tpot)
+            limits.learn(worker, 0.02, tpot, 1, clock.now, float(load))
+    assert limits.cap(worker) == pytest.approx(30, abs=2)

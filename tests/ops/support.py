@@ -55,6 +55,7 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_in_flight_requests": _WORKER,
     "gateway_worker_decode_roofline_tokens_per_second": _WORKER,
     "gateway_worker_memory_bandwidth_bytes_per_second": _WORKER,
+    "gateway_worker_peak_flops_per_second": _WORKER,
     "gateway_worker_concurrency_limit": _WORKER,
     "gateway_worker_decode_pace_seconds": _WORKER,
     "gateway_worker_prefill_concurrency_limit": _WORKER,
@@ -65,6 +66,9 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_queue_depth": ("tier",),
     "gateway_goodput_ratio": ("tier",),
     "gateway_tier_slo_ttft_seconds": ("tier",),
+    "gateway_slo_objective": ("tier",),
+    "gateway_workers_known": (),
+    "gateway_workers_healthy": (),
     "gateway_tier_slo_tpot_seconds": ("tier",),
 }
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
@@ -79,9 +83,11 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "gateway_worker_inter_token_latency_seconds": _WORKER,
     "gateway_queue_wait_seconds": ("tier",),
     "gateway_ttft_prediction_error_seconds": ("tier",),
+    "gateway_event_loop_lag_seconds": (),
 }
-# vLLM's series carry model_name and engine; Prometheus adds `worker` (see prometheus.yml).
-VLLM_LABELS = frozenset({"model_name", "engine", "worker"})
+# vLLM's series carry model_name and engine (and, on vllm:num_requests_waiting_by_reason,
+# reason); Prometheus adds `worker` (see prometheus.yml).
+VLLM_LABELS = frozenset({"model_name", "engine", "worker", "reason"})
 
 
 def contract_series() -> dict[str, frozenset[str]]:

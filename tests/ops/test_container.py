@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from scripts.vllm_worker import TINY_LLAMA_HARDWARE
 from tests.ops.support import REPO, load_yaml, tool
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -123,6 +124,11 @@ def test_compose_default_profile_runs_the_cpu_worker() -> None:
     assert mount["target"] == command[command.index("--model") + 1]
     assert mount["read_only"] is True
     assert services["gateway"]["environment"]["GATEWAY_WORKERS"] == "http://vllm:8000"
+    # MFU and MBU: the worker counts its FLOPs and bytes, the gateway knows its (nominal) peaks.
+    assert "--enable-mfu-metrics" in command
+    hardware = json.loads(services["gateway"]["environment"]["GATEWAY_HARDWARE"])
+    for key in ("memory_bandwidth_gbs", "peak_tflops"):
+        assert hardware[key] == TINY_LLAMA_HARDWARE[key]
 
 
 def test_compose_gpu_profile_adds_a_gpu_worker() -> None:
@@ -134,7 +140,24 @@ def test_compose_gpu_profile_adds_a_gpu_worker() -> None:
     assert device["capabilities"] == ["gpu"]
     command = gpu["command"]
     assert "/" in command[command.index("--model") + 1], "a real Hugging Face model id"
+    assert "--enable-mfu-metrics" in command
     assert gpu["profiles"] == ["gpu"]
+
+
+def test_compose_grafana_and_prometheus_are_local_and_grafana_has_no_default_admin() -> None:
+    """Grafana: anonymous viewers only, no admin/admin account, on loopback; Prometheus (no
+    authentication at all) on loopback too."""
+    services = _config()["services"]
+    for name, port in (("grafana", 3000), ("prometheus", 9090)):
+        (published,) = services[name]["ports"]
+        assert published["target"] == port
+        assert published["host_ip"] == "127.0.0.1", name
+    env = services["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_SECURITY_DISABLE_INITIAL_ADMIN_CREATION"] == "true"
+    assert env.get("GF_SECURITY_ADMIN_PASSWORD", "") in {"", None}
+    assert "admin" not in {env.get("GF_SECURITY_ADMIN_PASSWORD"), env.get("GF_SECURITY_ADMIN_USER")}
 
 
 def test_compose_services_are_healthchecked_and_wait_for_health() -> None:
@@ -153,6 +176,29 @@ def test_compose_services_are_healthchecked_and_wait_for_health() -> None:
     for name in ("gateway", "prometheus", "grafana"):
         assert services[name]["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in services[name]["security_opt"], name
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration (``2m15s``, ``135s``, ``1h``) in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts, duration
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_compose_stops_drain_gateway_and_workers_within_their_grace_periods() -> None:
+    """`docker compose stop` kills at stop_grace_period: it must outlast each drain."""
+    services = _config("gpu")["services"]
+    gateway = services["gateway"]
+    env = gateway["environment"]
+    drain = float(env["GATEWAY_DRAIN_DELAY_S"]) + float(env["GATEWAY_SHUTDOWN_GRACE_S"])
+    assert _seconds(gateway["stop_grace_period"]) > drain
+    for name in ("vllm", "vllm-gpu"):
+        command = services[name]["command"]
+        timeout = float(command[command.index("--shutdown-timeout") + 1])
+        assert timeout > 0, name  # vLLM's default of 0 aborts running requests
+        assert _seconds(services[name]["stop_grace_period"]) > timeout, name
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:

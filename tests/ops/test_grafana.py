@@ -165,6 +165,7 @@ def test_every_query_parses(tmp_path: Path) -> None:
         for title, ref, expr in _exprs(board):
             text = (
                 expr.replace("$__rate_interval", "1m")
+                .replace("$__range", "1h")
                 .replace("$__interval", "15s")
                 .replace("$model", "m")
                 .replace("$tier", "t")

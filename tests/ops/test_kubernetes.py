@@ -3,15 +3,24 @@ what the gateway and the workers need (probes, hardening, DNS discovery, GPUs, d
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
+import re
+import shutil
 import subprocess
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from app.auth import Authenticator
+from app.settings import Settings
 from scripts import gen_prometheusrule
+from scripts.vllm_worker import TINY_LLAMA_HARDWARE
 from tests.ops.support import (
     OPS_BIN,
     OVERLAYS,
@@ -166,7 +175,8 @@ def test_prometheusrule_carries_every_rule_promtool_checks(overlay: str) -> None
     assert rule["spec"]["groups"] == [g for f in files for g in f["groups"]]
     names = [r.get("alert") or r.get("record") for g in rule["spec"]["groups"] for r in g["rules"]]
     assert "GatewayDown" in names
-    assert "tier:gateway_goodput:ratio_rate5m" in names
+    assert "tier_model:gateway_slo_requests_unmet_per_gateway_slo_requests:ratio_rate1h" in names
+    assert "GatewayErrorBudgetBurn" in names
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -216,6 +226,19 @@ def test_gateway_finds_workers_through_the_headless_service(overlay: str) -> Non
     assert container_port["containerPort"] == port["port"]
 
 
+def _gateway_settings(
+    overlay: str, keys: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Settings:
+    """The gateway's settings as its pod would read them: the ConfigMap's environment, and
+    ``keys`` as the mounted keys file."""
+    config = _one(overlay, "ConfigMap", "goodput-gateway")["data"]
+    keys_file = tmp_path / Path(config["GATEWAY_API_KEYS_FILE"]).name
+    keys_file.write_text(keys)
+    for name, value in {**config, "GATEWAY_API_KEYS_FILE": str(keys_file)}.items():
+        monkeypatch.setenv(name, value)
+    return Settings()
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_api_keys_secret_is_mounted_as_the_keys_file(overlay: str) -> None:
     config = _one(overlay, "ConfigMap", "goodput-gateway")["data"]
@@ -229,11 +252,65 @@ def test_api_keys_secret_is_mounted_as_the_keys_file(overlay: str) -> None:
         v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
     ]
     assert volume["secret"]["secretName"] == "goodput-gateway-api-keys"
-    keys = json.loads(secret["stringData"][keys_file.name])
-    assert keys
-    for key in keys:
-        assert len(key["sha256"]) == 64
-        assert key["name"].startswith("placeholder"), "only placeholder hashes are committed"
+    assert keys_file.name in secret["stringData"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_deployment_that_keeps_the_shipped_keys_secret_fails_closed(
+    overlay: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The committed Secret holds no key (none whose token anyone could know), and a gateway
+    started with it refuses to start, saying why, rather than serve without keys."""
+    secret = _one(overlay, "Secret", "goodput-gateway-api-keys")
+    shipped = secret["stringData"]["api-keys.json"]
+    assert json.loads(shipped) == []
+    assert "sha256" not in (REPO / "deploy" / "base" / "gateway-api-keys.yaml").read_text()
+    settings = _gateway_settings(overlay, shipped, tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="lists no API keys, so the gateway refuses to start"):
+        Authenticator(settings, time.monotonic)
+
+
+def test_an_overlay_that_replaces_the_keys_secret_starts_with_its_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The way docs/deploy.md gives: a secretGenerator with behavior: replace."""
+    overlay = tmp_path / "mine"
+    overlay.mkdir()
+    digest = hashlib.sha256(b"sk-my-key").hexdigest()
+    keys = json.dumps([{"sha256": digest, "name": "mine", "tier": "interactive"}])
+    (overlay / "api-keys.json").write_text(keys)
+    (overlay / "kustomization.yaml").write_text(
+        dump_yaml(
+            {
+                # kustomize takes only relative paths.
+                "resources": [os.path.relpath(REPO / "deploy" / "overlays" / "gpu", overlay)],
+                "secretGenerator": [
+                    {
+                        "name": "goodput-gateway-api-keys",
+                        "behavior": "replace",
+                        "files": ["api-keys.json"],
+                        "options": {"disableNameSuffixHash": True},
+                    }
+                ],
+            }
+        )
+    )
+    rendered = subprocess.run(
+        [tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    (secret,) = [
+        o
+        for o in load_yaml_all(rendered.stdout)
+        if o["kind"] == "Secret" and o["metadata"]["name"] == "goodput-gateway-api-keys"
+    ]
+    mounted = base64.b64decode(secret["data"]["api-keys.json"]).decode()
+    settings = _gateway_settings("gpu", mounted, tmp_path, monkeypatch)
+    auth = Authenticator(settings, time.monotonic)
+    assert auth.identify("Bearer sk-my-key", None).tier.name == "interactive"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -324,3 +401,80 @@ def test_servicemonitors_scrape_gateway_and_workers(overlay: str) -> None:
     )
     (endpoint,) = workers["spec"]["endpoints"]
     assert {"sourceLabels": ["__address__"], "targetLabel": "worker"} in endpoint["relabelings"]
+
+
+def _monitoring_namespace(objects: list[dict[str, Any]]) -> str:
+    (policy,) = [
+        o
+        for o in objects
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "vllm-workers"
+    ]
+    selectors = [
+        peer for peer in policy["spec"]["ingress"][0]["from"] if "namespaceSelector" in peer
+    ]
+    (peer,) = selectors
+    name: str = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    return name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_monitoring_namespace_is_a_kustomize_parameter(overlay: str, tmp_path: Path) -> None:
+    """The workers' NetworkPolicy admits the namespace the overlay's monitoringNamespace names,
+    and the parameter itself is not applied to the cluster."""
+    objects = _objects(overlay)
+    assert _monitoring_namespace(objects) == "monitoring"
+    assert not [o for o in objects if o["metadata"]["name"] == "goodput-deploy-params"]
+    # The same overlay with the parameter changed, in a copy of the tree.
+    for part in ("deploy", "grafana", "models"):
+        shutil.copytree(REPO / part, tmp_path / part)
+    kustomization = tmp_path / "deploy" / "overlays" / overlay / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.count("monitoringNamespace=monitoring") == 1
+    kustomization.write_text(
+        text.replace("monitoringNamespace=monitoring", "monitoringNamespace=obs")
+    )
+    rendered = subprocess.run(
+        [
+            tool("kubectl"),
+            "kustomize",
+            "--load-restrictor",
+            "LoadRestrictionsNone",
+            str(kustomization.parent),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert _monitoring_namespace(load_yaml_all(rendered.stdout)) == "obs"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_count_flops_and_bytes_for_the_roofline(overlay: str) -> None:
+    args = _container(_one(overlay, "Deployment", "vllm-worker"))["args"]
+    assert "--enable-mfu-metrics" in args
+
+
+def test_cpu_demo_gateway_has_the_tiny_models_nominal_peaks() -> None:
+    config = _one("cpu-demo", "ConfigMap", "goodput-gateway")["data"]
+    hardware = json.loads(config["GATEWAY_HARDWARE"])
+    for key in ("memory_bandwidth_gbs", "peak_tflops"):
+        assert hardware[key] == TINY_LLAMA_HARDWARE[key]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_target_alerts_select_the_servicemonitors_job_names(overlay: str) -> None:
+    """A ServiceMonitor's job label is its Service's name: the alerts must select those."""
+    rule = _one(overlay, "PrometheusRule", "goodput-gateway")
+    exprs = {
+        r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    }
+    services = {o["metadata"]["name"] for o in _objects(overlay) if o["kind"] == "Service"}
+    assert {"goodput-gateway", "vllm-workers"} <= services
+    for monitor in ("goodput-gateway", "vllm-workers"):
+        assert "jobLabel" not in _one(overlay, "ServiceMonitor", monitor)["spec"]
+    assert 'up{job="goodput-gateway"}' in exprs["GatewayDown"]
+    assert 'up{job="goodput-gateway"}' in exprs["GatewayTargetMissing"]
+    for alert in ("GatewayWorkerTargetDown", "GatewayWorkerTargetsMissing"):
+        (regex,) = re.findall(r'up\{job=~"([^"]+)"\}', exprs[alert])
+        assert re.fullmatch(regex, "vllm-workers"), alert

@@ -1,0 +1,56 @@
+"""Event-loop lag: how late the loop runs a callback that was due at a known time.
+
+Everything the gateway does for every request runs on one event loop. When the loop is busy,
+a request's bytes wait in the socket and an event's bytes wait before they are written, and no
+timestamp the gateway takes can see it: the client's clock does. A callback scheduled every
+``interval_s`` and observed on how late it ran (on ``loop.time()``, the clock the loop schedules
+by) measures that wait as ``gateway_event_loop_lag_seconds``. With uvloop, libuv's timers have a
+resolution of one millisecond, so lags below it are timer rounding, not load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import Histogram
+
+LAG_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5,
+)  # fmt: skip
+
+
+class LoopLagProbe:
+    """Observes the lag of a callback rescheduled every ``interval_s`` on the running loop.
+
+    One timer per gateway, whatever the traffic: nothing on the per-request path.
+    """
+
+    def __init__(self, histogram: Histogram, interval_s: float = 0.25) -> None:
+        self._histogram = histogram
+        self._interval = interval_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._due = 0.0
+
+    def start(self) -> None:
+        """Start probing the running loop."""
+        self._loop = asyncio.get_running_loop()
+        self._schedule(self._loop.time())
+
+    def stop(self) -> None:
+        """Stop probing."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _schedule(self, now: float) -> None:
+        assert self._loop is not None
+        self._due = now + self._interval
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        self._histogram.observe(max(0.0, now - self._due))
+        self._schedule(now)

@@ -1,0 +1,175 @@
+"""Agreement: vLLM's own benchmark client against the gateway's histograms, at 1 to 64 streams.
+
+``python -m bench.agreement [--streams 1,4,16,64] [--worker URL]``
+
+``vllm.benchmarks.serve`` (from the worker's venv) runs through the gateway against a real vLLM
+CPU worker serving ``tiny-llama`` (started here, pinned to every CPU but the last, unless
+``--worker`` names a running one): chat requests of 64 random prompt tokens and 48 output
+tokens, at each number of concurrent streams. A fresh gateway per level (admission off, so
+that every request is served as it comes) exports TTFT and ITL
+with buckets 0.25 ms wide, so its p50 is read to a fraction of a millisecond; the table sets
+it beside the p50 the client reports, with the gateway's queue time and event-loop lag.
+A benchmark, not a test: it prints a markdown table and writes ``bench/results/agreement.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.live import log, running_gateway, running_workers, unwind_on_sigterm, write_json
+from bench.overhead import free_port
+from scripts.vllm_worker import MODEL_DIR, WORKER_PYTHON, VllmWorker, worker_env
+
+MODEL = "tiny-llama"
+_FINE = [round(i * 0.00025, 5) for i in range(1, 1201)] + [0.5, 1.0, 2.5, 5.0, 10.0, 60.0]
+_RUNNER = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """``histogram_quantile`` of cumulative ``(upper bound, count)`` pairs, as PromQL does it."""
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+async def _histograms(url: str) -> dict[str, list[tuple[float, float]]]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    found: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                bound = float(sample.labels["le"])
+                into = found.setdefault(sample.name[: -len("_bucket")], {})
+                into[bound] = into.get(bound, 0.0) + sample.value
+    return {name: sorted(bounds.items()) for name, bounds in found.items()}
+
+
+def _bench(gateway: str, streams: int, prompts: int, out: Path) -> dict[str, Any]:
+    args = [
+        "--backend", "openai-chat", "--base-url", gateway, "--endpoint", "/v1/chat/completions",
+        "--model", MODEL, "--tokenizer", str(MODEL_DIR), "--dataset-name", "random",
+        "--random-input-len", "64", "--random-output-len", "48", "--ignore-eos",
+        "--num-prompts", str(prompts), "--max-concurrency", str(streams), "--seed", "7",
+        "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--disable-tqdm",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [str(WORKER_PYTHON), "-c", _RUNNER, *args],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def measure(worker: str, streams: int) -> dict[str, Any]:
+    """One level: a fresh gateway, the client's run through it, both p50s."""
+    env = {
+        "GATEWAY_WORKERS": worker,
+        "GATEWAY_TTFT_BUCKETS": json.dumps(_FINE),
+        "GATEWAY_ITL_BUCKETS": json.dumps(_FINE),
+        "GATEWAY_QUEUE_BUCKETS": json.dumps(_FINE),
+        # Measurement, not admission: every request goes to the worker at once.
+        "GATEWAY_ADMISSION": "false",
+    }
+    prompts = max(48, 4 * streams)
+    with running_gateway(env, free_port(), f"agreement-{streams}") as url:
+        # A warm-up, so that neither side's first connection counts.
+        with tempfile.TemporaryDirectory() as tmp:
+            _bench(url, min(streams, 4), 8, Path(tmp) / "warmup.json")
+        before = asyncio.run(_histograms(url))
+        with tempfile.TemporaryDirectory() as tmp:
+            client = _bench(url, streams, prompts, Path(tmp) / "bench.json")
+        after = asyncio.run(_histograms(url))
+
+    def p(name: str, q: float) -> float:
+        if name not in after:  # a gateway without that histogram
+            return float("nan")
+        old = dict(before.get(name, []))
+        delta = [(bound, count - old.get(bound, 0.0)) for bound, count in after[name]]
+        return quantile(delta, q) * 1000
+
+    return {
+        "streams": streams,
+        "requests": client["completed"],
+        "bench_ttft_p50_ms": client["median_ttft_ms"],
+        "gateway_ttft_p50_ms": p("gateway_time_to_first_token_seconds", 0.5),
+        "bench_itl_p50_ms": client["median_itl_ms"],
+        "gateway_itl_p50_ms": p("gateway_inter_token_latency_seconds", 0.5),
+        "gateway_queue_p50_ms": p("gateway_queue_time_seconds", 0.5),
+        "loop_lag_p50_ms": p("gateway_event_loop_lag_seconds", 0.5),
+        "loop_lag_p90_ms": p("gateway_event_loop_lag_seconds", 0.9),
+    }
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """The markdown table of the results."""
+    lines = [
+        "| streams | TTFT p50 bench | TTFT p50 gateway | ITL p50 bench | ITL p50 gateway "
+        "| gateway queue p50 | loop lag p50 / p90 |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['streams']} | {r['bench_ttft_p50_ms']:.2f} ms"
+            f" | {r['gateway_ttft_p50_ms']:.2f} ms"
+            f" | {r['bench_itl_p50_ms']:.2f} ms | {r['gateway_itl_p50_ms']:.2f} ms"
+            f" | {r['gateway_queue_p50_ms']:.2f} ms"
+            f" | {r['loop_lag_p50_ms']:.1f} / {r['loop_lag_p90_ms']:.1f} ms |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure every level; print the table."""
+    parser = argparse.ArgumentParser(prog="python -m bench.agreement")
+    parser.add_argument("--streams", default="1,4,16,64")
+    parser.add_argument("--worker", default=None, help="a running tiny-llama worker's URL")
+    args = parser.parse_args(argv)
+    unwind_on_sigterm()
+    levels = [int(level) for level in args.streams.split(",")]
+    rows: list[dict[str, Any]] = []
+    if args.worker:
+        rows = [measure(args.worker, level) for level in levels]
+    else:
+        with running_workers([VllmWorker(port=free_port())]) as (worker,):
+            rows = [measure(worker.url, level) for level in levels]
+    for row in rows:
+        log(json.dumps(row))
+    print(table(rows))
+    write_json("agreement", {"rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The client gets the bytes vLLM would have sent it, replayed from recordings of a real worker.
+
+``tests/data/vllm_streams/streams.json`` (``python -m scripts.record_streams``) holds, for every
+``stream_options`` combination, n=2, logprobs, and finish on length and on stop, chat and
+completions: the worker's stream for the client's own request (``direct``) and for the request
+the gateway sends in its place (``upstream``). A scripted worker serves the ``upstream`` bytes,
+one event per write as vLLM sends them, with the ids and timestamps of the ``direct`` stream; the
+gateway's answer must be the ``direct`` stream, byte for byte. The gateway's only changes to a
+stream are its documented ones: it asks for usage, and takes the usage chunk out again (and puts
+back the ``system_fingerprint`` that vLLM moves onto it) when the client did not ask for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.servers import running_gateway, settings_for
+
+WORKER = "http://recorded-worker:8100"
+RECORDED = json.loads(
+    (Path(__file__).parent / "data" / "vllm_streams" / "streams.json").read_text(encoding="utf-8")
+)
+CASES: dict[str, dict[str, Any]] = {case["name"]: case for case in RECORDED["cases"]}
+_ID = re.compile(rb'"id":"([^"]+)","object":"[^"]+","created":(\d+)')
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [event + b"\n\n" for event in raw.split(b"\n\n") if event]
+
+
+def _as_direct(case: dict[str, Any]) -> list[bytes]:
+    """The worker's answer to the gateway's request, with the direct stream's id and time."""
+    direct, upstream = case["direct"].encode(), case["upstream"].encode()
+    mine, theirs = _ID.search(direct), _ID.search(upstream)
+    assert mine is not None
+    assert theirs is not None
+    events = []
+    for event in _events(upstream):
+        event = event.replace(b'"id":"' + theirs[1] + b'"', b'"id":"' + mine[1] + b'"')
+        event = event.replace(b'"created":' + theirs[2], b'"created":' + mine[2])
+        events.append(event)
+    return events
+
+
+class RecordedWorker:
+    """Answers each request with the recorded stream whose request it is."""
+
+    def __init__(self, answers: dict[bytes, list[bytes]]) -> None:
+        self.answers = answers
+        self.unexpected: list[bytes] = []
+        self.transport = httpx.MockTransport(self.handle)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        """Serve /v1/models, /health, /metrics, and the recorded streams."""
+        if request.url.path == "/v1/models":
+            card = {"id": "tiny-llama", "object": "model", "root": "tiny-llama"}
+            return httpx.Response(200, json={"object": "list", "data": [card]})
+        if request.url.path in ("/health", "/metrics"):
+            return httpx.Response(200, text="")
+        body = await request.aread()
+        events = self.answers.get(body)
+        if events is None:
+            self.unexpected.append(body)
+            return httpx.Response(500, json={"error": {"message": "not a recorded request"}})
+
+        async def stream() -> AsyncIterator[bytes]:
+            for event in events:
+                yield event
+
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream; charset=utf-8"}, content=stream()
+        )
+
+
+async def _relayed(url: str, case: dict[str, Any]) -> bytes:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+        client.stream(
+            "POST",
+            case["path"],
+            content=case["request"].encode(),
+            headers={"content-type": "application/json"},
+        ) as response,
+    ):
+        assert response.status_code == 200, await response.aread()
+        return b"".join([data async for data in response.aiter_raw()])
+
+
+def test_the_recordings_cover_every_case_the_issue_names() -> None:
+    names = set(CASES)
+    for endpoint in ("chat", "text"):
+        for options in (
+            "absent", "empty", "usage", "usage_false", "continuous", "usage_false_continuous",
+            "usage_continuous", "usage_continuous_false",
+        ):  # fmt: skip
+            assert f"{endpoint}_length_{options}" in names
+        for kind in ("n2", "logprobs", "stop"):
+            assert {f"{endpoint}_{kind}_absent", f"{endpoint}_{kind}_usage"} <= names
+    finishes = {
+        reason
+        for case in CASES.values()
+        for reason in re.findall(r'"finish_reason":"(\w+)"', case["direct"])
+    }
+    assert finishes == {"length", "stop"}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+async def test_the_client_gets_what_vllm_would_have_sent_it(name: str) -> None:
+    case = CASES[name]
+    direct = case["direct"].encode()
+    worker = RecordedWorker({case["upstream_request"].encode(): _as_direct(case)})
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        # The first stream from a worker: its fingerprint is learnt on the way; then known.
+        first = await _relayed(url, case)
+        second = await _relayed(url, case)
+    assert worker.unexpected == [], "the gateway sent the worker a request not recorded"
+    assert first == direct
+    assert second == direct
+
+
+async def test_a_worker_that_always_sends_usage_is_relayed_as_it_is() -> None:
+    """vLLM's ``--enable-force-include-usage`` sends usage in every chunk whatever was asked."""
+    forced = CASES["chat_length_usage_continuous"]
+    asked_nothing = CASES["chat_length_absent"]
+    events = _events(forced["upstream"].encode())
+    worker = RecordedWorker({asked_nothing["upstream_request"].encode(): events})
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        relayed = await _relayed(url, asked_nothing)
+    assert relayed == forced["upstream"].encode()
