@@ -30,7 +30,7 @@ from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
 from app.trace import TraceMiddleware
-from app.upstream import UpstreamSlots, make_client
+from app.upstream import UpstreamSlots, connection_budget, make_client
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def create_app(
                 sorted(pool.served_models()), settings.routing,
                 "on" if settings.admission else "off",
             )  # fmt: skip
-            slots = UpstreamSlots(settings.max_upstream_connections, metrics)
+            slots = UpstreamSlots(connection_budget(settings.max_upstream_connections), metrics)
             deps = RelayDeps(
                 settings, client, pool, router, metrics, admission, recorder, slots, drain
             )

@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import logging
+import resource
 
 from app.app import create_app
 from app.server import GatewayServer, server_config
 from app.settings import Settings
 from app.shutdown import Shutdown
+
+log = logging.getLogger(__name__)
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard limit; ``(before, after)``.
+
+    Every stream holds two descriptors (its client's connection and its worker's); soft limits
+    are often 1,024, a fifth of what a fleet of 8 workers x 256 streams needs.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft, soft
+    return soft, hard
 
 
 def main() -> None:
@@ -20,6 +38,11 @@ def main() -> None:
     # httpx logs every request at INFO: several lines a second per worker from the load scrapes
     # and health probes alone. Failures are logged by the gateway itself.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    before, after = raise_fd_limit()
+    if after != before:
+        log.info("open files: soft limit raised from %d to the hard limit, %d", before, after)
+    else:
+        log.info("open files: limit %d", after)
     shutdown = Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
     config = server_config(create_app(settings, shutdown=shutdown), settings)
     GatewayServer(config, shutdown).run()

@@ -108,9 +108,7 @@ class Recorder:
         """What the worker's models and limits learn from a served request."""
         metrics, timing, tokens = self._metrics, end.timing, end.tokens
         worker = lease.worker
-        worker_itl = metrics.worker_itl.labels(worker.label)
-        for gap in timing.itl_s:
-            worker_itl.observe(gap)
+        metrics.worker_itl.labels(worker.label).observe_all(timing.itl_s)
         if tokens is not None:
             metrics.worker_completion_tokens.labels(worker.label).inc(tokens[1])
             self._sizer.observe(end.model, request.size, tokens[0])

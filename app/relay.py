@@ -36,6 +36,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from app.admission import AdmissionController, Ticket
 from app.auth import Identity
+from app.deadline import Deadline
 from app.errors import (
     ClientStalled,
     GatewayError,
@@ -321,7 +322,7 @@ class Relay(Response):
         self._tokens = None
         try:
             async with (
-                asyncio.timeout_at(_earliest(deadline_at, total_at)) as deadline,
+                Deadline(_earliest(deadline_at, total_at)) as deadline,
                 self._response(lease) as upstream,
             ):
                 async for data in upstream.aiter_raw():
@@ -381,19 +382,19 @@ class Relay(Response):
                         # deadline serves both; it is moved only when a send may wait.
                         if not self._started or flow is None or flow.write_paused:
                             sending = True
-                            deadline.reschedule(_earliest(loop.time() + stall, total_at))
+                            deadline.move(_earliest(loop.time() + stall, total_at))
                         sent = await self._relay(send, out, outputs)
                         if sending:
                             sending = False
                             if last_received is None:
-                                deadline.reschedule(_earliest(deadline_at, total_at))
+                                deadline.move(_earliest(deadline_at, total_at))
                     else:
                         sent = clock()
                     if last_received is not None:
-                        deadline.reschedule(_earliest(loop.time() + idle, total_at))
+                        deadline.move(_earliest(loop.time() + idle, total_at))
                     timer.add_overhead(sent - received)
                 sending = True  # the end of the body waits for a client that does not read, too
-                deadline.reschedule(_earliest(loop.time() + stall, total_at))
+                deadline.move(_earliest(loop.time() + stall, total_at))
                 if held:
                     await self._relay(send, held, held_outputs)
                 if not done:

@@ -28,6 +28,7 @@ dropped for a moment (a lingering close), so that it reads the answer rather tha
 from __future__ import annotations
 
 import asyncio
+import gc
 import http
 import json
 import logging
@@ -61,6 +62,9 @@ _CANCEL_MARGIN_S = 5.0
 # After a refusal, how long what the client still sends is read and dropped before the
 # connection is dropped.
 _LINGER_S = 2.0
+# How often the whole heap is collected (see GatewayServer.startup).
+_FULL_COLLECTION_S = 300.0
+_NEVER = 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,9 +306,27 @@ class GatewayServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Remember the loop the signal handler hands the drain to."""
+        """Remember the loop the signal handler hands the drain to; freeze the start-up heap."""
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        # Everything built so far (modules, the app, its lifespan's state) lives as long as the
+        # process: out of the collector's sight, a full collection no longer walks it (~70,000
+        # objects, 50 ms on a 2-vCPU VM, paid by whichever request was allocating).
+        gc.freeze()
+        # The oldest generation holds every running stream's objects (~150 each). Python starts
+        # a full collection whenever it grew by a quarter, so while streams ramp up it walks
+        # them over and over: at 6,000 streams that stopped the event loop for 0.8-1.4 s at a
+        # time, connects to the workers timed out and healthy workers were ejected. Full
+        # collections now run on a timer instead; the young generations, where most cycles
+        # die, are collected as before.
+        young, middle, _ = gc.get_threshold()
+        gc.set_threshold(young, middle, _NEVER)
+        self._loop.call_later(_FULL_COLLECTION_S, self._collect)
+
+    def _collect(self) -> None:
+        assert self._loop is not None
+        gc.collect()
+        self._loop.call_later(_FULL_COLLECTION_S, self._collect)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start the drain, or stop now if it had started."""

@@ -265,7 +265,11 @@ class Settings(BaseSettings):
         default=8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
     )
     max_upstream_connections: int = Field(
-        default=2048, gt=0, description="Open connections to all workers at once."
+        default=2048,
+        gt=0,
+        description="Open connections to all workers at once (8 workers x 256 streams); fewer "
+        "if the open-files limit, raised to its hard limit at start-up, holds fewer at two per "
+        "stream.",
     )
     discovery_interval_s: float = Field(
         default=5.0, gt=0, description="How often each worker's /v1/models is re-read."

@@ -42,7 +42,11 @@ STATE_KEY = "gateway"
 
 
 def get_state(request: Request) -> GatewayState:
-    """The state the lifespan yielded, typed (a FastAPI dependency)."""
+    """The state the lifespan yielded, typed.
+
+    Called by the handlers themselves: as a FastAPI dependency, a plain ``def`` runs in
+    FastAPI's thread pool, a hand-off to another thread and back on every request.
+    """
     state = request.state._state.get(STATE_KEY)
     if not isinstance(state, GatewayState):
         raise RuntimeError("the gateway's lifespan has not run")

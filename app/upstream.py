@@ -1,17 +1,27 @@
 """Talking to a worker: one shared httpx client, and errors mapped onto the gateway's tree.
 
 The network sits behind httpx's transport seam: tests pass an ``httpx.MockTransport`` (or an
-ASGI app) for failures a real worker cannot produce on demand.
+ASGI app) for failures a real worker cannot produce on demand. In production the transport is
+aiohttp's connection pool (through ``httpx-aiohttp``): httpcore's pool walked every pooled
+connection, with a syscall each, for every request, so its cost per request grew with the
+number of streams (at 128 streams half the gateway's CPU went there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import json
+import logging
+import resource
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import httpx
+from httpx_aiohttp import AiohttpTransport
+from httpx_aiohttp.transport import AiohttpResponseStream
 
 from app.errors import (
     GatewayError,
@@ -29,9 +39,18 @@ from app.workers import Worker, worker_headers
 
 # Error bodies are read to pass the worker's message on; a runaway one is cut here.
 _MAX_ERROR_BODY = 64 * 1024
-# Connections the client may open beyond the relay's budget: health probes, load scrapes and
-# model discovery share the client and must never wait behind streams.
-_PROBE_CONNECTIONS = 64
+# Idle connections to a worker are closed after this long: under the 5 s after which vLLM's
+# server (uvicorn) closes them itself, so a request is never sent on a connection the worker is
+# closing at that moment.
+_KEEPALIVE_S = 4.0
+log = logging.getLogger(__name__)
+
+# Descriptors kept for everything but streams: the listener, probes and scrapes of every
+# worker, log files, the event loop's own.
+_RESERVED_FDS = 256
+# What running out of file descriptors (or kernel socket buffers) looks like: the gateway's
+# own limit, never a worker's fault.
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 
 
 class UpstreamSlots:
@@ -68,26 +87,120 @@ class UpstreamSlots:
             1.0,
         )
 
+    def exhausted(self, cause: OSError) -> GatewaySaturated:
+        """The error for a connection the system would not give (out of file descriptors)."""
+        self._metrics.saturated.labels(UPSTREAM_CONNECTIONS).inc()
+        return GatewaySaturated(
+            f"The gateway could not open a connection to a worker ({cause.strerror or cause}); "
+            "retry shortly.",
+            1.0,
+        )
+
+
+def connection_budget(configured: int) -> int:
+    """The relay's budget of worker connections: ``configured``, or what descriptors allow.
+
+    Every stream holds two descriptors, its client's connection and its worker's. With fewer
+    descriptors than that, the budget is cut to what fits (and said so in the log), so that the
+    gateway runs out of its own budget, a fast 503 gateway_saturated, before it runs out of
+    descriptors in the middle of accepting or connecting.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    fits = max(1, (soft - _RESERVED_FDS) // 2)
+    if fits >= configured:
+        return configured
+    log.warning(
+        "GATEWAY_MAX_UPSTREAM_CONNECTIONS=%d needs about %d file descriptors but the limit is %d: "
+        "at most %d streams at once (raise the hard limit, e.g. ulimit -Hn)",
+        configured, 2 * configured + _RESERVED_FDS, soft, fits,
+    )  # fmt: skip
+    return fits
+
+
+class _WorkerTransport(AiohttpTransport):
+    """aiohttp's pool, with its errors mapped onto httpx's as httpcore raised them.
+
+    ``httpx-aiohttp`` maps every ``aiohttp.ClientConnectionError`` to ``ConnectTimeout``; a
+    worker that drops the connection before answering is not a slow connect.
+    """
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request``; the response's body is streamed."""
+        try:
+            response = await super().handle_async_request(request)
+        except httpx.TransportError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, aiohttp.ServerDisconnectedError):
+                raise httpx.RemoteProtocolError(str(cause), request=request) from cause
+            if isinstance(cause, aiohttp.ClientOSError) and not isinstance(
+                cause, aiohttp.ClientConnectorError
+            ):
+                raise httpx.ReadError(str(cause), request=request) from cause
+            raise
+        if isinstance(response.stream, AiohttpResponseStream):
+            response.stream = _Chunks(response.stream)
+        return response
+
+
+class _Chunks(httpx.AsyncByteStream):
+    """A worker's body, each read handed on as aiohttp's StreamReader has it.
+
+    ``httpx-aiohttp`` iterates ``iter_chunked(16384)``: an iterator object, a lambda and a
+    bounded read that gathers a list and joins it, for every SSE event of every stream.
+    ``readany`` returns what has arrived, as it is.
+    """
+
+    def __init__(self, stream: AiohttpResponseStream) -> None:
+        self._stream = stream
+        self._content = stream._aiohttp_response.content
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        read = self._content.readany
+        try:
+            while chunk := await read():
+                yield chunk
+        except aiohttp.ServerDisconnectedError as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            raise httpx.ReadError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        """Release the connection (to the pool, if the body was read to its end)."""
+        await self._stream.aclose()
+
+
+def worker_transport() -> httpx.AsyncBaseTransport:
+    """The transport to the workers: aiohttp's pool, created on the first request's loop.
+
+    The pool itself has no limit: :class:`UpstreamSlots` is the relay's budget, checked before
+    a request is sent, and probes, load scrapes and model discovery (a few per worker) must
+    never wait behind streams.
+    """
+
+    def session() -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
+        return aiohttp.ClientSession(connector=connector, trust_env=False)
+
+    return _WorkerTransport(client=session)
+
 
 def make_client(
     settings: Settings, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """The client for every worker request.
+    """The client for every worker request (``transport`` replaces the network in tests).
 
     No read timeout: the relay enforces first-token and idle timeouts itself, because the
     first token can legitimately take far longer than the gap between two tokens.
     """
     return httpx.AsyncClient(
-        transport=transport,
+        transport=transport or worker_transport(),
         timeout=httpx.Timeout(
             connect=settings.connect_timeout_s,
             read=None,
             write=settings.connect_timeout_s,
             pool=settings.connect_timeout_s,
-        ),
-        limits=httpx.Limits(
-            max_connections=settings.max_upstream_connections + _PROBE_CONNECTIONS,
-            max_keepalive_connections=min(256, settings.max_upstream_connections),
         ),
         follow_redirects=False,
         trust_env=False,
@@ -132,7 +245,7 @@ async def _send(
 ) -> httpx.Response:
     request = client.build_request(
         "POST",
-        f"{worker.spec.base_url}{path}",
+        _url(worker.spec.base_url, path),
         content=body,
         headers=worker_headers(worker.spec, request_id),
     )
@@ -147,6 +260,9 @@ async def _send(
             ) from exc
         raise UpstreamTimeout(f"Worker {worker.label} did not answer in time.") from exc
     except httpx.ConnectError as exc:
+        exhausted = _exhausted(exc)
+        if exhausted is not None:
+            raise slots.exhausted(exhausted) from exc
         raise UpstreamUnavailable(f"Worker {worker.label} is not reachable.") from exc
     except httpx.TransportError as exc:
         raise UpstreamInvalidResponse(
@@ -158,6 +274,24 @@ async def _send(
         raise await _status_error(worker, response)
     finally:
         await response.aclose()
+
+
+@functools.lru_cache(maxsize=1024)
+def _url(base_url: str, path: str) -> httpx.URL:
+    """A worker endpoint's URL, parsed once (httpx parses a string URL in Python per request)."""
+    return httpx.URL(f"{base_url}{path}")
+
+
+def _exhausted(exc: BaseException) -> OSError | None:
+    """The "out of descriptors" error behind ``exc``, if that is why it failed."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in _EXHAUSTED:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 async def _status_error(worker: Worker, response: httpx.Response) -> GatewayError:
@@ -221,4 +355,7 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
     }
 
 
-__all__ = ["UpstreamError", "UpstreamSlots", "error_object", "make_client", "worker_response"]
+__all__ = [
+    "UpstreamError", "UpstreamSlots", "connection_budget", "error_object", "make_client",
+    "worker_response",
+]  # fmt: skip

@@ -31,6 +31,8 @@ from app.settings import Settings, WorkerSpec
 from app.timing import Clock
 
 log = logging.getLogger(__name__)
+# Ejection backoff doubles at most this many times (far past any GATEWAY_EJECT_MAX_S).
+_MAX_DOUBLINGS = 32
 
 # How far past the strictest TPOT target a worker's pace closes its reading window early.
 _PACE_ALARM = 1.25
@@ -311,8 +313,11 @@ class WorkerPool:
         now = self._clock()
         worker.failures = 0
         worker.ejections += 1
+        # The exponent is capped: requests already in flight keep failing after an ejection and
+        # count further ejections, and 2 ** 1,024 is no float (a 5,000-stream burst got there).
         backoff = min(
-            self.settings.eject_max_s, self.settings.eject_base_s * 2 ** (worker.ejections - 1)
+            self.settings.eject_max_s,
+            self.settings.eject_base_s * 2.0 ** min(worker.ejections - 1, _MAX_DOUBLINGS),
         )
         worker.ejected_until = now + backoff
         worker.last_ejected = now

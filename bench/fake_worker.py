@@ -349,9 +349,15 @@ class _Connection(asyncio.Protocol):
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         rid = ("chatcmpl-" if chat else "cmpl-") + worker.next_id()
+        # A benchmark may pace one request differently from the worker's default (vLLM
+        # ignores these fields; the gateway passes unknown fields through).
+        ttft_ms, itl_ms = body.get("fake_ttft_ms", cfg.ttft_ms), body.get("fake_itl_ms", cfg.itl_ms)
+        if not all(isinstance(v, int | float) and 0 <= v <= 3_600_000 for v in (ttft_ms, itl_ms)):
+            self._reply(400, _error(400, "fake_ttft_ms/fake_itl_ms: bad value", "BadRequestError"))
+            return
         t0 = self._loop.time()
-        t_first = t0 + cfg.ttft_ms / 1000.0
-        itl = cfg.itl_ms / 1000.0
+        t_first = t0 + ttft_ms / 1000.0
+        itl = itl_ms / 1000.0
         self._busy = True
         worker.stats.running += 1
         worker.stats.started += 1
@@ -565,6 +571,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=32, help="when max_tokens is not given")
     parser.add_argument("--model", default="fake-model")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="capacity behind vllm:kv_cache_usage_perc"
+    )
     return parser.parse_args(argv)
 
 
@@ -575,6 +584,7 @@ async def _main(args: argparse.Namespace) -> None:
         tokens=args.tokens,
         model=args.model,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
     )
     server = await serve(args.host, args.port, cfg)
     # The benchmark reads this line to learn the port when it passed --port 0.

@@ -1,36 +1,48 @@
-"""Gateway overhead benchmark: the same streams sent straight to a worker and through the gateway.
+"""Gateway overhead benchmark: the same streams sent straight to the workers and via the gateway.
 
-``python -m bench.overhead [--requests N] [--out bench/results/overhead.json] [--direct-only]``
+``python -m bench.overhead [--concurrency 1,32,128,512,1024] [--memory-streams 2048]
+[--profile 32,128] [--out bench/results/overhead.json]``
 
-A fixed-timing fake worker (:mod:`bench.fake_worker`) and the gateway (``python -m app``) run
-as two subprocesses; this process is the client. For 1 and 32 concurrent streams (one keep-alive
-connection each, every stream ``max_tokens`` 32, back to back) it measures TTFT, ITL and content
-chunks per second, DIRECT to the worker and VIA the gateway, alternating the two in ABBA order
-over a few rounds so that drift on a shared machine lands on both equally. The worker's timing
-is fixed, so any difference is what the gateway adds.
+Fixed-timing fake workers (:mod:`bench.fake_worker`, one process each), the gateway
+(``python -m app``, one process) and the load client (:mod:`bench.load_client`, several
+processes) run side by side. For each number of concurrent streams (one keep-alive connection
+each, streams back to back, first requests staggered over one stream's length so that the load
+is steady) it measures, DIRECT to the workers and VIA the gateway, alternating the two in ABBA
+order: TTFT and ITL percentiles, content events per second while every connection was busy,
+the content-event count of every stream and the most content events in one HTTP chunk (event
+boundaries), and every process's CPU time from ``/proc``. The gateway's CPU per relayed event is
+its user + system time over the round divided by the content events its clients received.
 
-By default the connections' first requests are spread over one stream's length, so the load is
-steady rather than one synchronized burst (``--arrival burst`` measures that case instead), and
-chunks/s is counted over the span in which every connection had a stream going. A second table
-gives each process's CPU use during the measurement, to show which one was the bottleneck.
+The workers' pace is fixed: TTFT 20 ms, a token every 10 ms, 32 tokens. Above 128 streams the
+pace per stream is slowed so that all streams together stay at ``--max-rate`` tokens per second
+(12,800: 128 streams at 10 ms): one Python process cannot relay 100,000 events a second, and
+the whole benchmark shares two cores. Requests and events per second then stay constant from
+128 streams up, and only the concurrency grows, which is what the flatness check is about.
 
-It prints markdown tables and PASS/MISS against the overhead targets, writes a JSON file, and
-always exits 0: it is a benchmark, not a test.
+``--memory-streams N`` (default 2,048) also opens N streams at one token a second through a
+fresh gateway (admission off: a 1 s TPOT is far over every tier's target), reads the gateway's
+RSS with and without them, and sends probe requests through the gateway and directly while they
+run. ``--profile 32,128`` records the gateway with py-spy in one extra round at each of those
+concurrencies and prints its top functions.
+
+It prints markdown tables and PASS/MISS against the targets of issue 15, writes a JSON file,
+and always exits 0: it is a benchmark, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import collections
 import contextlib
 import ctypes
-import gc
 import json
 import math
 import os
 import platform
 import re
+import resource
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,27 +50,34 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final
 
-from bench.sse_client import SSEConnection, StreamResult
+from bench.load_client import ClientPool, RoundSpec, ShardResult, merge
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 _CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 HOST: Final = "127.0.0.1"
 MODEL: Final = "fake-model"
 CHAT_PATH: Final = "/v1/chat/completions"
 STREAM_TIMEOUT_S: Final = 30.0
-Mode = Literal["direct", "gateway"]
-_T = TypeVar("_T")
+Mode = str
+"""``direct``, ``gateway`` or ``gateway-b`` (the same gateway at another commit or setting)."""
 
-# Targets: what the gateway may add on top of the worker.
-ADDED_TTFT_P50_MS: Final = {1: 1.0, 32: 2.0}
+# Targets of issue 15: what the gateway may add on top of the workers.
+ADDED_TTFT_P50_MS: Final = {1: 0.5}
+ADDED_TTFT_P50_DEFAULT_MS: Final = 1.0
+ADDED_TTFT_P99_MS: Final = 5.0
 ITL_P50_TOLERANCE: Final = 0.05
-CHUNK_RATE_MIN_RATIO: Final = 0.95
+RATE_MIN_RATIO: Final = 0.95
+CPU_PER_EVENT_US: Final = 25.0
+CPU_FLAT_RATIO: Final = 1.5
+MEMORY_RSS_MAX_MIB: Final = 1024.0
+MEMORY_PROBE_P99_MS: Final = 50.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,72 +97,78 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(slots=True)
 class Cell:
-    """Every sample for one (mode, concurrency) pair, pooled over the rounds."""
+    """Every sample for one (mode, streams) pair, pooled over the rounds."""
 
     mode: Mode
-    concurrency: int
+    streams: int
+    itl_ms: float
+    """The workers' pace per stream in this cell."""
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
-    steady_chunks: int = 0
-    """Content chunks that arrived while every connection was busy (see :class:`Round`)."""
+    steady_events: int = 0
     steady_s: float = 0.0
+    content_events: int = 0
     window_s: float = 0.0
     sent: int = 0
     ok: int = 0
-    chunks_per_stream: dict[int, int] = field(default_factory=dict)
-    """How many streams (value) carried each number of content chunks (key)."""
+    content_per_stream: dict[int, int] = field(default_factory=dict)
     max_content_per_http_chunk: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-    rounds: list[dict[str, float]] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)
-    """CPU seconds each process (client, worker, gateway) spent inside the measured windows."""
+    """CPU seconds by part (client, workers, gateway, machine, ...) inside the rounds."""
     worker_connections: int = 0
-    """TCP connections the worker accepted inside the measured windows."""
+    rounds: list[dict[str, float]] = field(default_factory=list)
 
-    def add_round(self, rnd: Round) -> None:
-        """Fold one round's streams into the cell."""
-        for name, seconds in rnd.cpu_s.items():
+    def add(self, res: ShardResult, steady_s: float, window_s: float, cpu: dict[str, float],
+            worker_connections: int) -> None:  # fmt: skip
+        """Fold one round in."""
+        self.ttft_s.extend(res.ttft)
+        self.itl_s.extend(res.itl)
+        self.steady_events += res.steady_events
+        self.steady_s += steady_s
+        self.content_events += res.content_events
+        self.window_s += window_s
+        self.sent += res.sent
+        self.ok += res.ok
+        for k, v in res.content_per_stream.items():
+            self.content_per_stream[k] = self.content_per_stream.get(k, 0) + v
+        self.max_content_per_http_chunk = max(
+            self.max_content_per_http_chunk, res.max_content_per_http_chunk
+        )
+        for k2, v2 in res.errors.items():
+            self.errors[k2] = self.errors.get(k2, 0) + v2
+        for name, seconds in cpu.items():
             self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
-        self.worker_connections += rnd.worker_connections
-        ttfts: list[float] = []
-        for res in rnd.results:
-            self.sent += 1
-            if res.ok:
-                self.ok += 1
-            else:
-                reason = res.error or f"HTTP {res.status}" + ("" if res.done else " (no [DONE])")
-                if res.body:
-                    reason += f": {res.body[:200].decode('utf-8', 'replace')}"
-                self.errors[reason] = self.errors.get(reason, 0) + 1
-            n = len(res.content_times)
-            self.chunks_per_stream[n] = self.chunks_per_stream.get(n, 0) + 1
-            self.max_content_per_http_chunk = max(
-                self.max_content_per_http_chunk, res.max_content_per_http_chunk
-            )
-            ttft = res.ttft
-            if ttft is not None:
-                ttfts.append(ttft)
-            self.itl_s.extend(res.itls())
-        self.ttft_s.extend(ttfts)
-        self.steady_chunks += rnd.steady_chunks
-        self.steady_s += rnd.steady_s
-        self.window_s += rnd.window_s
+        self.worker_connections += worker_connections
+        gw = cpu.get(self.mode) if self.mode != "direct" else None
         self.rounds.append(
             {
-                "ttft_p50_ms": percentile(ttfts, 50) * 1000,
-                "chunks_per_s": rnd.steady_chunks / rnd.steady_s if rnd.steady_s else math.nan,
-                "steady_s": rnd.steady_s,
-                "window_s": rnd.window_s,
+                "ttft_p50_ms": percentile(list(res.ttft), 50) * 1000,
+                "events_per_s": res.steady_events / steady_s if steady_s > 0 else math.nan,
+                "cpu_us_per_event": (
+                    gw / res.content_events * 1e6
+                    if gw is not None and res.content_events
+                    else math.nan
+                ),
+                "window_s": window_s,
             }
         )
 
     @property
-    def chunks_per_s(self) -> float:
-        """Content chunks received per second, all streams together, while all were running."""
-        return self.steady_chunks / self.steady_s if self.steady_s > 0 else math.nan
+    def events_per_s(self) -> float:
+        """Content events per second, all streams together, while every connection was busy."""
+        return self.steady_events / self.steady_s if self.steady_s > 0 else math.nan
+
+    @property
+    def cpu_us_per_event(self) -> float:
+        """The gateway's CPU time per content event it relayed, in microseconds."""
+        gw = self.cpu_s.get(self.mode) if self.mode != "direct" else None
+        if gw is None or not self.content_events:
+            return math.nan
+        return gw / self.content_events * 1e6
 
     def cpu_percent(self) -> dict[str, float]:
-        """Each process's CPU use over the measured windows, in % of one core."""
+        """Each part's CPU use over the rounds, in % of one core."""
         if self.window_s <= 0:
             return {}
         return {name: 100 * sec / self.window_s for name, sec in self.cpu_s.items()}
@@ -156,207 +181,29 @@ class Cell:
         """The cell's summary (no raw samples)."""
         return {
             "mode": self.mode,
-            "concurrency": self.concurrency,
+            "streams": self.streams,
+            "worker_itl_ms": self.itl_ms,
             "requests_sent": self.sent,
             "requests_ok": self.ok,
             "errors": self.errors,
-            "ttft_ms": {f"p{q}": self.ms(self.ttft_s, q) for q in (50, 90, 99)}
-            | {"mean": 1000 * sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else math.nan},
+            "ttft_ms": {f"p{q}": self.ms(self.ttft_s, q) for q in (50, 90, 99)},
             "itl_ms": {f"p{q}": self.ms(self.itl_s, q) for q in (50, 90, 99)},
-            "chunks_per_s": self.chunks_per_s,
-            "steady_content_chunks": self.steady_chunks,
-            "steady_s": self.steady_s,
-            "window_s": self.window_s,
-            "content_chunks_per_stream": {
-                str(k): v for k, v in sorted(self.chunks_per_stream.items())
+            "events_per_s": self.events_per_s,
+            "content_events": self.content_events,
+            "cpu_us_per_event": self.cpu_us_per_event,
+            "content_events_per_stream": {
+                str(k): v for k, v in sorted(self.content_per_stream.items())
             },
             "max_content_events_per_http_chunk": self.max_content_per_http_chunk,
             "cpu_percent_of_one_core": self.cpu_percent(),
             "worker_connections_opened": self.worker_connections,
+            "window_s": self.window_s,
             "rounds": self.rounds,
         }
 
 
 # ---------------------------------------------------------------------------------------------
-# Load generation
-
-
-def chat_body(max_tokens: int) -> bytes:
-    """The request every stream sends, to either target."""
-    return json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Count to thirty-two."}],
-            "stream": True,
-            "max_tokens": max_tokens,
-        },
-        separators=(",", ":"),
-    ).encode()
-
-
-async def _stream_loop(
-    conn: SSEConnection, body: bytes, count: int, start_at: float
-) -> list[StreamResult]:
-    results: list[StreamResult] = []
-    delay = start_at - time.perf_counter()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    for _ in range(count):
-        try:
-            async with asyncio.timeout(STREAM_TIMEOUT_S):
-                res = await conn.request("POST", CHAT_PATH, body)
-        except TimeoutError:
-            now = time.perf_counter()
-            res = StreamResult(t_sent=now, t_end=now, error="timed out")
-            await conn.close()
-        results.append(res)
-    return results
-
-
-CpuProbe = Callable[[], dict[str, float]]
-"""Cumulative CPU seconds of every process taking part, by name."""
-
-_CONNECTIONS_RE: Final = re.compile(rb"^fake_worker_connections_total (\d+)", re.MULTILINE)
-
-
-@dataclass(frozen=True, slots=True)
-class Probes:
-    """Side measurements taken around each measured window."""
-
-    cpu: CpuProbe
-    worker_port: int
-
-    async def worker_connections(self) -> int:
-        """Connections the fake worker has accepted so far, this probe's own included."""
-        reader, writer = await asyncio.open_connection(HOST, self.worker_port)
-        try:
-            writer.write(b"GET /metrics HTTP/1.1\r\nhost: worker\r\nconnection: close\r\n\r\n")
-            data = await reader.read(-1)
-        finally:
-            writer.close()
-        match = _CONNECTIONS_RE.search(data)
-        return int(match.group(1)) if match else 0
-
-
-@dataclass(frozen=True, slots=True)
-class Round:
-    """One round at one concurrency against one target."""
-
-    results: list[StreamResult]
-    window_s: float
-    """First request sent to last response read."""
-    steady_s: float
-    """From the last connection's first send to the first connection's last byte: the span in
-    which every connection had a stream going (the whole window at concurrency 1)."""
-    steady_chunks: int
-    """Content chunks that arrived within the steady span."""
-    cpu_s: dict[str, float]
-    """CPU seconds each process spent in the window."""
-    worker_connections: int
-    """TCP connections the worker accepted during the window (the gateway's health and load
-    probes included)."""
-
-
-def _steady(per_conn: list[list[StreamResult]]) -> tuple[float, int]:
-    begin = max(rs[0].t_sent for rs in per_conn)
-    end = min(rs[-1].t_end for rs in per_conn)
-    if end <= begin:
-        # Too few streams per connection to overlap: fall back to the whole window.
-        begin = min(rs[0].t_sent for rs in per_conn)
-        end = max(rs[-1].t_end for rs in per_conn)
-    chunks = sum(1 for rs in per_conn for r in rs for t in r.content_times if begin <= t <= end)
-    return end - begin, chunks
-
-
-async def run_round(
-    port: int,
-    concurrency: int,
-    per_stream: int,
-    body: bytes,
-    probes: Probes,
-    spacing_s: float,
-) -> Round:
-    """``concurrency`` connections each run ``per_stream`` streams back to back.
-
-    Connection ``k`` sends its first request ``k * spacing_s`` after the first one (0: all at
-    once). Connecting happens before the window opens.
-    """
-    conns = [SSEConnection(HOST, port) for _ in range(concurrency)]
-    try:
-        await asyncio.gather(*(c.connect() for c in conns))
-        conns_before = await probes.worker_connections()
-        # A collection mid-window would add client-side pauses of its own to the samples.
-        gc.collect()
-        gc.disable()
-        try:
-            cpu_before = probes.cpu()
-            start = time.perf_counter()
-            per_conn = await asyncio.gather(
-                *(
-                    _stream_loop(c, body, per_stream, start + k * spacing_s)
-                    for k, c in enumerate(conns)
-                )
-            )
-            window = time.perf_counter() - start
-            cpu_after = probes.cpu()
-        finally:
-            gc.enable()
-        # Minus one: the probe's own connection.
-        opened = await probes.worker_connections() - conns_before - 1
-    finally:
-        await asyncio.gather(*(c.close() for c in conns))
-    used = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
-    steady_s, steady_chunks = _steady(per_conn)
-    results = [r for rs in per_conn for r in rs]
-    return Round(results, window, steady_s, steady_chunks, used, opened)
-
-
-async def measure(
-    targets: dict[Mode, int],
-    concurrencies: Sequence[int],
-    requests: int,
-    rounds: int,
-    max_tokens: int,
-    log: Callable[[str], None],
-    probes: Probes,
-    stream_s: float,
-    burst: bool,
-) -> dict[tuple[Mode, int], Cell]:
-    """Warm up every target, then alternate targets in ABBA order for ``rounds`` rounds.
-
-    Unless ``burst``, the connections' first requests are spread over ``stream_s`` (one
-    stream's nominal length), so that requests arrive evenly rather than all at once.
-    """
-    body = chat_body(max_tokens)
-
-    def spacing(conc: int) -> float:
-        return 0.0 if burst else stream_s / conc
-
-    for mode, port in targets.items():
-        for conc in concurrencies:
-            results = (await run_round(port, conc, 2, body, probes, spacing(conc))).results
-            bad = [r for r in results if not r.ok]
-            if bad:
-                first = bad[0]
-                log(
-                    f"warm-up {mode} x{conc}: {len(bad)}/{len(results)} streams failed, e.g. "
-                    f"{first.error or first.status} {first.body[:200]!r}"
-                )
-    cells = {(m, c): Cell(m, c) for m in targets for c in concurrencies}
-    per_round = max(1, math.ceil(requests / rounds))
-    modes = list(targets)
-    for r in range(rounds):
-        order = modes if r % 2 == 0 else modes[::-1]
-        for conc in concurrencies:
-            for mode in order:
-                rnd = await run_round(targets[mode], conc, per_round, body, probes, spacing(conc))
-                cells[mode, conc].add_round(rnd)
-        log(f"round {r + 1}/{rounds} done")
-    return cells
-
-
-# ---------------------------------------------------------------------------------------------
-# Subprocesses
+# Processes
 
 
 def _die_with_parent() -> None:
@@ -364,6 +211,19 @@ def _die_with_parent() -> None:
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _child_setup(nofile: int) -> Callable[[], None]:
+    """Before exec: die with the parent, and allow ``nofile`` descriptors if root may."""
+
+    def setup() -> None:
+        _die_with_parent()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if nofile > hard:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, nofile))
+
+    return setup
 
 
 def free_port() -> int:
@@ -387,39 +247,89 @@ def http_status(url: str, timeout: float = 1.0) -> int | None:
         return None
 
 
+def http_text(url: str, timeout: float = 2.0) -> str:
+    """GET ``url`` and return its body ('' when nothing answered)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            body: bytes = resp.read()
+            return body.decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return ""
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads); NaN when it is gone."""
+    try:
+        # Fields 14 and 15 of /proc/PID/stat, counted after the ")" ending the name.
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return math.nan
+    return (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
+
+
+def proc_rss_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return math.nan
+    return pages * _PAGE / 2**20
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy since boot (every state but idle and iowait)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(x) for x in fields[:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICKS
+
+
 class Stack:
-    """The fake worker and (unless direct-only) the gateway, as subprocesses; stopped on exit."""
+    """Fake workers and (unless direct-only) the gateway, as subprocesses; stopped on exit."""
 
     def __init__(
         self,
         *,
+        workers: int,
         gateway: bool,
-        ttft_ms: float,
-        itl_ms: float,
         logdir: Path,
         gateway_env: dict[str, str],
         log: Callable[[str], None],
+        max_num_seqs: int,
+        nofile: int = 0,
+        b_root: Path | None = None,
+        b_env: dict[str, str] | None = None,
     ) -> None:
+        self._b_root = b_root
+        self._b_env = b_env
+        self._workers = workers
         self._want_gateway = gateway
-        self._ttft_ms = ttft_ms
-        self._itl_ms = itl_ms
         self._gateway_env = gateway_env
         self._log = log
+        self._max_num_seqs = max_num_seqs
+        self._nofile = nofile
         self.logdir = logdir
         logdir.mkdir(parents=True, exist_ok=True)
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self.worker_port = 0
-        self.gateway_port = 0
+        self.worker_ports: list[int] = []
+        self.gateway_ports: dict[str, int] = {}
 
-    def _spawn(self, name: str, args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    @property
+    def gateway_port(self) -> int:
+        """The port of the gateway under test."""
+        return self.gateway_ports["gateway"]
+
+    def _spawn(
+        self, name: str, args: list[str], cwd: Path = ROOT, **kwargs: Any
+    ) -> subprocess.Popen[bytes]:
         logfile = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
         kwargs.setdefault("stdout", logfile)
         proc = subprocess.Popen(
             args,
-            cwd=ROOT,
+            cwd=cwd,
             stdin=subprocess.DEVNULL,
             stderr=logfile,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=_child_setup(self._nofile) if sys.platform == "linux" else None,
             **kwargs,
         )
         logfile.close()
@@ -434,52 +344,48 @@ class Stack:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def start(self) -> None:
-        """Start the worker, then the gateway in front of it, and wait until both are ready."""
-        worker = self._spawn(
-            "worker",
-            [
-                sys.executable,
-                "-m",
-                "bench.fake_worker",
-                "--host",
-                HOST,
-                "--port",
-                "0",
-                "--ttft-ms",
-                str(self._ttft_ms),
-                "--itl-ms",
-                str(self._itl_ms),
-                "--model",
-                MODEL,
-            ],
-            stdout=subprocess.PIPE,
-        )
-        self.worker_port = self._read_worker_port(worker)
-        self._wait_ready("worker", f"http://{HOST}:{self.worker_port}/health", 10.0)
+        """Start the workers, then the gateway in front of them; wait until all are ready."""
+        for i in range(self._workers):
+            name = f"worker{i}"
+            command = [
+                sys.executable, "-m", "bench.fake_worker", "--host", HOST, "--port", "0",
+                "--model", MODEL, "--max-num-seqs", str(self._max_num_seqs),
+            ]  # fmt: skip
+            proc = self._spawn(name, command, stdout=subprocess.PIPE)
+            port = self._read_worker_port(name, proc)
+            self.worker_ports.append(port)
+            self._wait_ready(name, f"http://{HOST}:{port}/health", 10.0)
         if not self._want_gateway:
             return
-        self.gateway_port = free_port()
+        self._start_gateway("gateway", ROOT, self._gateway_env)
+        if self._b_root is not None or self._b_env:
+            b_env = self._gateway_env | (self._b_env or {})
+            self._start_gateway("gateway-b", self._b_root or ROOT, b_env)
+
+    def _start_gateway(self, name: str, root: Path, extra: dict[str, str]) -> None:
+        port = self.gateway_ports[name] = free_port()
         env = (
             os.environ
             | {
                 "GATEWAY_HOST": HOST,
-                "GATEWAY_PORT": str(self.gateway_port),
-                "GATEWAY_WORKERS": f"http://{HOST}:{self.worker_port}",
+                "GATEWAY_PORT": str(port),
+                "GATEWAY_WORKERS": ",".join(f"http://{HOST}:{p}" for p in self.worker_ports),
                 "GATEWAY_ACCESS_LOG": "false",
+                "PYTHONPATH": str(root),
             }
-            | self._gateway_env
+            | extra
         )
-        self._spawn("gateway", [sys.executable, "-m", "app"], env=env)
-        self._wait_ready("gateway", f"http://{HOST}:{self.gateway_port}/readyz", 60.0)
+        self._spawn(name, [sys.executable, "-m", "app"], cwd=root, env=env)
+        self._wait_ready(name, f"http://{HOST}:{port}/readyz", 60.0)
 
-    def _read_worker_port(self, proc: subprocess.Popen[bytes]) -> int:
+    def _read_worker_port(self, name: str, proc: subprocess.Popen[bytes]) -> int:
         assert proc.stdout is not None
         deadline = time.monotonic() + 10.0
         line = b""
         while not line.endswith(b"\n"):
             left = deadline - time.monotonic()
             if left <= 0 or proc.poll() is not None:
-                raise RuntimeError(f"fake worker did not start:\n{self.log_tail('worker')}")
+                raise RuntimeError(f"fake worker did not start:\n{self.log_tail(name)}")
             ready, _, _ = select.select([proc.stdout], [], [], left)
             if ready:
                 # os.read, not the buffered file: a buffered read could swallow bytes that
@@ -505,23 +411,50 @@ class Stack:
             f"{name} not ready after {timeout_s:.0f}s ({url} -> {status}):\n{self.log_tail(name)}"
         )
 
-    def cpu_seconds(self) -> dict[str, float]:
-        """Cumulative CPU (user + system) seconds of this process and of each subprocess."""
-        out = {"client": time.process_time()}
+    def check_alive(self) -> None:
+        """Raise if a subprocess has exited (on a shared machine, someone may have killed it)."""
         for name, proc in self._procs:
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                # Fields 14 and 15 of /proc/PID/stat, counted after the ")" ending the name.
-                stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[name] = (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with code {proc.returncode} mid-run:\n{self.log_tail(name)}"
+                )
+
+    def pid(self, name: str) -> int:
+        """Process id of a subprocess."""
+        return dict(self._procs)[name].pid
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Cumulative CPU seconds of the gateway and of the workers (summed and the busiest)."""
+        out: dict[str, float] = {}
+        for name, proc in self._procs:
+            out[name] = proc_cpu_s(proc.pid)
         return out
 
+    def worker_connections(self) -> int:
+        """TCP connections the workers have accepted so far."""
+        total = 0
+        for port in self.worker_ports:
+            text = http_text(f"http://{HOST}:{port}/metrics")
+            match = re.search(r"^fake_worker_connections_total (\d+)", text, re.MULTILINE)
+            total += int(match.group(1)) if match else 0
+        return total
+
+    def worker_running(self) -> int:
+        """Generations in flight on all workers."""
+        total = 0.0
+        for port in self.worker_ports:
+            text = http_text(f"http://{HOST}:{port}/metrics")
+            match = re.search(r"^vllm:num_requests_running\{[^}]*\} ([\d.]+)", text, re.MULTILINE)
+            total += float(match.group(1)) if match else 0.0
+        return int(total)
+
     def stop(self) -> None:
-        """Stop every subprocess, newest first (the gateway before its worker)."""
+        """Stop every subprocess, newest first (the gateway before its workers)."""
         for name, proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.terminate()
                 try:
-                    proc.wait(timeout=10)
+                    proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     self._log(f"{name} ignored SIGTERM; killing it")
                     proc.kill()
@@ -543,48 +476,399 @@ class Stack:
 
 
 # ---------------------------------------------------------------------------------------------
+# Rounds
+
+
+def chat_body(max_tokens: int, ttft_ms: float, itl_ms: float) -> bytes:
+    """The request every stream sends, to either target (the fake worker's pace in the body)."""
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Count to thirty-two."}],
+            "stream": True,
+            "max_tokens": max_tokens,
+            "fake_ttft_ms": ttft_ms,
+            "fake_itl_ms": itl_ms,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One round's load."""
+
+    streams: int
+    duration_s: float
+    max_tokens: int
+    ttft_ms: float
+    itl_ms: float
+
+    @property
+    def stream_s(self) -> float:
+        """One stream's nominal length."""
+        return (self.ttft_ms + (self.max_tokens - 1) * self.itl_ms) / 1000
+
+
+@dataclass(slots=True)
+class RoundOut:
+    """What one round measured."""
+
+    result: ShardResult
+    steady_s: float
+    window_s: float
+    cpu: dict[str, float]
+    worker_connections: int
+
+
+class Bench:
+    """The client processes and the stack, and the bookkeeping of one round."""
+
+    def __init__(self, stack: Stack, clients: ClientPool) -> None:
+        self.stack = stack
+        self.clients = clients
+
+    def cpu(self) -> dict[str, float]:
+        """Cumulative CPU seconds by part: every process of ours, and the whole machine."""
+        out = self.stack.cpu_seconds()
+        for i, pid in enumerate(self.clients.pids):
+            out[f"client{i}"] = proc_cpu_s(pid)
+        out["bench"] = time.process_time()
+        out["machine"] = machine_busy_s()
+        return out
+
+    def round(
+        self, ports: Sequence[int], load: Load, *, count_connections: bool = True
+    ) -> RoundOut:
+        """One round of ``load`` against ``ports``."""
+        body = chat_body(load.max_tokens, load.ttft_ms, load.itl_ms)
+        conns_before = self.stack.worker_connections() if count_connections else 0
+        stream_s = load.stream_s
+        # Time to open the connections before the first request.
+        prep = 0.2 + load.streams / 2000
+        start_at = time.perf_counter() + prep
+        spacing = stream_s / load.streams
+        stop_at = start_at + stream_s + load.duration_s
+        spec = RoundSpec(
+            host=HOST, ports=tuple(ports), path=CHAT_PATH, body=body, first_index=0,
+            connections=load.streams, start_at=start_at, spacing_s=spacing, stop_at=stop_at,
+            steady_from=start_at + stream_s, steady_to=stop_at, timeout_s=STREAM_TIMEOUT_S,
+        )  # fmt: skip
+        self.stack.check_alive()
+        before = self.cpu()
+        began = time.perf_counter()
+        results = self.clients.run(spec, load.streams)
+        window = time.perf_counter() - began
+        after = self.cpu()
+        cpu = {name: after[name] - before[name] for name in after if name in before}
+        # Less the probes' own connections, one per worker.
+        opened = (
+            self.stack.worker_connections() - conns_before - len(self.stack.worker_ports)
+            if count_connections
+            else 0
+        )
+        return RoundOut(merge(results), stop_at - (start_at + stream_s), window, cpu, opened)
+
+
+def itl_for(streams: int, itl_ms: float, max_rate: float) -> float:
+    """The workers' pace per stream: ``itl_ms``, slowed to hold all streams at ``max_rate``."""
+    return max(itl_ms, streams * 1000.0 / max_rate) if max_rate > 0 else itl_ms
+
+
+def measure(
+    bench: Bench,
+    targets: dict[Mode, list[int]],
+    args: argparse.Namespace,
+    concurrencies: Sequence[int],
+    log: Callable[[str], None],
+) -> dict[tuple[Mode, int], Cell]:
+    """Warm up every target, then alternate the targets in ABBA order for ``args.rounds``."""
+
+    def load(streams: int, duration: float) -> Load:
+        itl = itl_for(streams, args.itl_ms, args.max_rate)
+        return Load(streams, duration, args.max_tokens, args.ttft_ms, itl)
+
+    for mode, ports in targets.items():
+        for conc in sorted({min(concurrencies), max(concurrencies)}):
+            out = bench.round(ports, load(conc, 0.5), count_connections=False)
+            bad = out.result.sent - out.result.ok
+            if bad:
+                log(f"warm-up {mode} x{conc}: {bad}/{out.result.sent} failed: {out.result.errors}")
+    cells = {
+        (m, c): Cell(m, c, itl_for(c, args.itl_ms, args.max_rate))
+        for m in targets
+        for c in concurrencies
+    }
+    modes = list(targets)
+    for r in range(args.rounds):
+        order = modes if r % 2 == 0 else modes[::-1]
+        for conc in concurrencies:
+            duration = args.duration_single if conc == 1 else args.duration
+            for mode in order:
+                out = bench.round(targets[mode], load(conc, duration))
+                cells[mode, conc].add(
+                    out.result, out.steady_s, out.window_s, out.cpu, out.worker_connections
+                )
+                gw = cells[mode, conc].rounds[-1]
+                log(
+                    f"round {r + 1} {mode} x{conc}: {out.result.ok}/{out.result.sent} ok, "
+                    f"{gw['events_per_s']:.0f} ev/s, TTFT p50 {gw['ttft_p50_ms']:.2f} ms"
+                    + (f", {gw['cpu_us_per_event']:.1f} us/event" if mode != "direct" else "")
+                )
+    return cells
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per stream
+
+
+@dataclass(slots=True)
+class MemoryResult:
+    """The many-streams run."""
+
+    streams: int
+    rss_idle_mib: float
+    rss_loaded_mib: float
+    running_at_sample: int
+    streams_ok: int
+    streams_sent: int
+    probe_gateway_ms: dict[str, float]
+    probe_direct_ms: dict[str, float]
+    probes: int
+    gateway_cpu_percent: float
+    nofile_soft: int
+    errors: dict[str, int]
+
+    @property
+    def per_stream_kib(self) -> float:
+        """Gateway RSS added per stream."""
+        return (self.rss_loaded_mib - self.rss_idle_mib) * 1024 / max(1, self.running_at_sample)
+
+
+def _nofile_of(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryResult | None:
+    """``args.memory_streams`` streams at 1 token/s through a fresh gateway, with probes."""
+    n = args.memory_streams
+    ramp_s = n / args.connect_rate
+    probe_s = args.memory_probe_s
+    hold_s = ramp_s + 2.0 + probe_s + 2.0
+    tokens = math.ceil(hold_s) + 1
+    env = {
+        "GATEWAY_ADMISSION": "false",
+        "GATEWAY_MAX_UPSTREAM_CONNECTIONS": str(n + 64),
+        "GATEWAY_LOG_LEVEL": "warning",
+    } | dict(item.split("=", 1) for item in args.gateway_env)
+    log(f"memory: {n} streams at 1 token/s, ramp {ramp_s:.1f} s, probes for {probe_s:.0f} s")
+    with (
+        Stack(
+            workers=args.workers, gateway=True, logdir=args.logs / "memory", gateway_env=env,
+            log=log, max_num_seqs=max(n, 1024), nofile=2 * n + 1024,
+        ) as stack,
+        contextlib.closing(ClientPool(args.clients)) as pool,
+        contextlib.closing(ClientPool(1)) as probe_gw,
+        contextlib.closing(ClientPool(1)) as probe_direct,
+    ):  # fmt: skip
+        gw_pid = stack.pid("gateway")
+        warm = Load(8, 0.5, 4, args.ttft_ms, args.itl_ms)
+        Bench(stack, pool).round([stack.gateway_port], warm, count_connections=False)
+        time.sleep(1.0)
+        rss_idle = proc_rss_mib(gw_pid)
+        body = chat_body(tokens, args.ttft_ms, 1000.0)
+        start_at = time.perf_counter() + 0.3
+        spacing = 1.0 / args.connect_rate
+        stop_at = start_at + n * spacing + 0.5
+        spec = RoundSpec(
+            host=HOST, ports=(stack.gateway_port,), path=CHAT_PATH, body=body, first_index=0,
+            connections=n, start_at=start_at, spacing_s=spacing, stop_at=stop_at,
+            steady_from=0.0, steady_to=0.0, timeout_s=tokens + STREAM_TIMEOUT_S,
+            connect_rate=args.connect_rate,
+        )  # fmt: skip
+        pool.start(spec, n)
+        probe_from = start_at + ramp_s + 2.0
+        probe_to = probe_from + probe_s
+        probe_body = chat_body(1, args.ttft_ms, args.itl_ms)
+
+        def probe_spec(port: int) -> RoundSpec:
+            return RoundSpec(
+                host=HOST, ports=(port,), path=CHAT_PATH, body=probe_body, first_index=0,
+                connections=1, start_at=probe_from, spacing_s=0.0, stop_at=probe_to,
+                steady_from=0.0, steady_to=0.0, timeout_s=STREAM_TIMEOUT_S, pause_s=0.05,
+            )  # fmt: skip
+
+        probe_gw.start(probe_spec(stack.gateway_port), 1)
+        probe_direct.start(probe_spec(stack.worker_ports[0]), 1)
+        time.sleep(max(0.0, probe_from - time.perf_counter()))
+        cpu_before, t_before = proc_cpu_s(gw_pid), time.perf_counter()
+        time.sleep(probe_s / 2)
+        rss_loaded = proc_rss_mib(gw_pid)
+        running = stack.worker_running()
+        time.sleep(max(0.0, probe_to - time.perf_counter()))
+        cpu_pct = 100 * (proc_cpu_s(gw_pid) - cpu_before) / (time.perf_counter() - t_before)
+        gw_probe = merge(probe_gw.collect())
+        direct_probe = merge(probe_direct.collect())
+        log(f"memory: probes done; waiting for the {n} streams to end")
+        streams = merge(pool.collect())
+        nofile = _nofile_of(gw_pid)
+
+    def ms(res: ShardResult) -> dict[str, float]:
+        values = list(res.ttft)
+        return {f"p{q}": percentile(values, q) * 1000 for q in (50, 99)}
+
+    return MemoryResult(
+        streams=n,
+        rss_idle_mib=rss_idle,
+        rss_loaded_mib=rss_loaded,
+        running_at_sample=running,
+        streams_ok=streams.ok,
+        streams_sent=streams.sent,
+        probe_gateway_ms=ms(gw_probe),
+        probe_direct_ms=ms(direct_probe),
+        probes=gw_probe.sent,
+        gateway_cpu_percent=cpu_pct,
+        nofile_soft=nofile,
+        errors=streams.errors | gw_probe.errors,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles
+
+
+def profile_round(
+    bench: Bench, args: argparse.Namespace, streams: int, log: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """One gateway round at ``streams`` under py-spy; the top functions by own and total time."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(py_spy).exists():
+        log("py-spy not found (pip install py-spy): no profile")
+        return None
+    load = Load(
+        streams, args.duration, args.max_tokens, args.ttft_ms,
+        itl_for(streams, args.itl_ms, args.max_rate),
+    )  # fmt: skip
+    out = args.logs / f"profile-{streams}.txt"
+    length = load.stream_s * 2 + load.duration_s + 0.2 + streams / 2000
+    command = [
+        py_spy, "record", "--pid", str(bench.stack.pid("gateway")), "--rate", "250",
+        "--nonblocking", "--format", "raw", "--output", str(out),
+        "--duration", str(math.ceil(length)),
+    ]  # fmt: skip
+    spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    bench.round([bench.stack.gateway_port], load, count_connections=False)
+    spy.wait(timeout=60)
+    if not out.exists():
+        log(f"py-spy wrote no profile for x{streams}")
+        return None
+    return summarize_profile(out.read_text())
+
+
+def _frame_name(frame: str) -> str:
+    # "function (path/to/module.py:123)" -> "function (module.py)"
+    name, _, where = frame.partition(" (")
+    path = where.rsplit(":", 1)[0]
+    parts = path.split("/")
+    short = "/".join(parts[-2:]) if len(parts) > 1 else path
+    return f"{name} ({short})"
+
+
+def summarize_profile(raw: str, top: int = 15) -> dict[str, Any]:
+    """Own and total shares of the samples, by function, from py-spy's collapsed stacks."""
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = [_frame_name(f) for f in stack.split(";")]
+        if frames and frames[0].startswith("process "):
+            frames = frames[1:]
+        frames = [f for f in frames if not f.startswith("thread ")]
+        if not frames:
+            continue
+        samples += count
+        own[frames[-1]] += count
+        for name in set(frames):
+            total[name] += count
+    return {
+        "samples": samples,
+        "own": [(name, n / samples) for name, n in own.most_common(top)] if samples else [],
+        "total": [(name, n / samples) for name, n in total.most_common(top * 2)] if samples else [],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 
 
 def _fmt(value: float, digits: int = 2) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+    return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
 
 
 def table(cells: dict[tuple[Mode, int], Cell]) -> str:
-    """The results as a markdown table."""
+    """The results as a markdown table, direct beside the gateway."""
     lines = [
-        "| streams | path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | chunks/s "
-        "| ok/sent |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| streams | path | TTFT p50 ms | TTFT p99 ms | added p50 / p99 ms | ITL p50 ms "
+        "| ITL p99 ms | events/s | of direct | CPU per event | ok/sent |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (mode, conc), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        direct = cells.get(("direct", conc))
+        if mode != "direct" and direct is not None:
+            added = (
+                f"{cell.ms(cell.ttft_s, 50) - direct.ms(direct.ttft_s, 50):+.2f} / "
+                f"{cell.ms(cell.ttft_s, 99) - direct.ms(direct.ttft_s, 99):+.2f}"
+            )
+            share = f"{100 * cell.events_per_s / direct.events_per_s:.1f}%"
+            cpu = f"{_fmt(cell.cpu_us_per_event, 1)} µs"
+        else:
+            added, share, cpu = "–", "100%" if mode == "direct" else "–", "–"
         lines.append(
             f"| {conc} | {mode} | {_fmt(cell.ms(cell.ttft_s, 50))} | "
-            f"{_fmt(cell.ms(cell.ttft_s, 99))} | {_fmt(cell.ms(cell.itl_s, 50))} | "
-            f"{_fmt(cell.ms(cell.itl_s, 99))} | {_fmt(cell.chunks_per_s, 0)} | "
+            f"{_fmt(cell.ms(cell.ttft_s, 99))} | {added} | {_fmt(cell.ms(cell.itl_s, 50))} | "
+            f"{_fmt(cell.ms(cell.itl_s, 99))} | {_fmt(cell.events_per_s, 0)} | {share} | {cpu} | "
             f"{cell.ok}/{cell.sent} |"
         )
     return "\n".join(lines)
 
 
 def process_table(cells: dict[tuple[Mode, int], Cell]) -> str:
-    """Per process: CPU use and the worker's new connections per stream.
+    """Per part: CPU use in % of one core, and the workers' new connections per stream.
 
-    CPU use during the measured windows shows which process was the bottleneck; connections the
-    worker accepted per stream show whether the gateway reuses keep-alive connections.
+    The machine has two cores (200%). "others" is what the machine spent beyond this benchmark's
+    processes: other people's work on a shared machine.
     """
-    names = ["client", "worker", "gateway"]
     lines = [
-        "| streams | path | "
-        + " | ".join(f"{n} CPU %" for n in names)
-        + " | worker conns opened / stream |",
-        "|---:|---|" + "---:|" * (len(names) + 1),
+        "| streams | worker ITL ms | path | clients % (busiest) | workers % (busiest) "
+        "| gateway % | machine % | others % | worker conns / stream |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for (mode, conc), cell in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         used = cell.cpu_percent()
-        row = " | ".join(_fmt(used[n], 0) if n in used else "-" for n in names)
+        clients = [v for k, v in used.items() if k.startswith("client")]
+        workers = [v for k, v in used.items() if k.startswith("worker")]
+        gateways = sum(v for k, v in used.items() if k.startswith("gateway"))
+        ours = sum(clients) + sum(workers) + gateways + used.get("bench", 0.0)
+        machine = used.get("machine", math.nan)
         per_stream = cell.worker_connections / cell.sent if cell.sent else math.nan
-        lines.append(f"| {conc} | {mode} | {row} | {_fmt(per_stream, 3)} |")
+        lines.append(
+            f"| {conc} | {cell.itl_ms:g} | {mode} | {_fmt(sum(clients), 0)} "
+            f"({_fmt(max(clients, default=math.nan), 0)}) | {_fmt(sum(workers), 0)} "
+            f"({_fmt(max(workers, default=math.nan), 0)}) | "
+            f"{_fmt(used[mode], 0) if mode in used else '–'} | {_fmt(machine, 0)} | "
+            f"{_fmt(max(0.0, machine - ours), 0)} | {_fmt(per_stream, 3)} |"
+        )
     return "\n".join(lines)
 
 
@@ -601,65 +885,100 @@ class Check:
     def line(self) -> str:
         """One summary line."""
         verdict = "PASS" if self.passed else "MISS"
-        return f"{verdict}  {self.name:<38} {self.text:>12}   (target {self.target})"
+        return f"{verdict}  {self.name:<40} {self.text:>16}   (target {self.target})"
 
 
 def checks(
     cells: dict[tuple[Mode, int], Cell], concurrencies: Sequence[int], tokens: int
 ) -> list[Check]:
-    """Gateway against direct, for every target, at every concurrency."""
+    """Gateway against direct, for every target of issue 15, at every concurrency."""
     out: list[Check] = []
     for conc in concurrencies:
-        direct, gateway = cells["direct", conc], cells["gateway", conc]
-        added = gateway.ms(gateway.ttft_s, 50) - direct.ms(direct.ttft_s, 50)
-        limit = ADDED_TTFT_P50_MS.get(conc, max(ADDED_TTFT_P50_MS.values()))
-        out.append(
-            Check(
-                f"added TTFT p50 @ {conc} stream(s)",
-                added,
-                f"<= {limit:g} ms",
-                added <= limit,
-                f"{added:+.3f} ms",
-            )
-        )
-    for conc in concurrencies:
-        direct, gateway = cells["direct", conc], cells["gateway", conc]
-        ratio = gateway.ms(gateway.itl_s, 50) / direct.ms(direct.itl_s, 50)
-        out.append(
-            Check(
-                f"ITL p50 gateway/direct @ {conc}",
-                ratio,
-                f"within {ITL_P50_TOLERANCE:.0%}",
-                abs(ratio - 1) <= ITL_P50_TOLERANCE,
-                f"{ratio:.3f}",
-            )
-        )
-    for conc in concurrencies:
-        direct, gateway = cells["direct", conc], cells["gateway", conc]
-        ratio = gateway.chunks_per_s / direct.chunks_per_s
-        out.append(
-            Check(
-                f"chunk rate gateway/direct @ {conc}",
-                ratio,
-                f">= {CHUNK_RATE_MIN_RATIO:.0%}",
-                ratio >= CHUNK_RATE_MIN_RATIO,
-                f"{ratio:.3f}",
-            )
-        )
-    for conc in concurrencies:
-        direct, gateway = cells["direct", conc], cells["gateway", conc]
-        same = set(gateway.chunks_per_stream) == set(direct.chunks_per_stream) == {tokens}
-        seen = "/".join(str(k) for k in sorted(gateway.chunks_per_stream)) or "none"
-        out.append(
-            Check(
-                f"content chunks per stream @ {conc}",
-                float(same),
-                f"all {tokens}, as direct",
-                same,
-                f"gateway {seen}",
-            )
-        )
+        direct, gw = cells["direct", conc], cells["gateway", conc]
+        added = gw.ms(gw.ttft_s, 50) - direct.ms(direct.ttft_s, 50)
+        limit = ADDED_TTFT_P50_MS.get(conc, ADDED_TTFT_P50_DEFAULT_MS)
+        if conc <= 128:
+            out.append(Check(f"added TTFT p50 @ {conc}", added, f"<= {limit:g} ms",
+                             added <= limit, f"{added:+.3f} ms"))  # fmt: skip
+        added99 = gw.ms(gw.ttft_s, 99) - direct.ms(direct.ttft_s, 99)
+        out.append(Check(f"added TTFT p99 @ {conc}", added99, f"<= {ADDED_TTFT_P99_MS:g} ms",
+                         added99 <= ADDED_TTFT_P99_MS, f"{added99:+.3f} ms"))  # fmt: skip
+        ratio = gw.ms(gw.itl_s, 50) / direct.ms(direct.itl_s, 50)
+        out.append(Check(f"ITL p50 gateway/direct @ {conc}", ratio,
+                         f"within {ITL_P50_TOLERANCE:.0%}", abs(ratio - 1) <= ITL_P50_TOLERANCE,
+                         f"{ratio:.3f}"))  # fmt: skip
+        rate = gw.events_per_s / direct.events_per_s
+        if conc >= 32:
+            out.append(Check(f"event rate gateway/direct @ {conc}", rate,
+                             f">= {RATE_MIN_RATIO:.0%}", rate >= RATE_MIN_RATIO,
+                             f"{rate:.3f}"))  # fmt: skip
+            cpu = gw.cpu_us_per_event
+            out.append(Check(f"gateway CPU per event @ {conc}", cpu,
+                             f"<= {CPU_PER_EVENT_US:g} µs", cpu <= CPU_PER_EVENT_US,
+                             f"{cpu:.1f} µs"))  # fmt: skip
+        same = set(gw.content_per_stream) == set(direct.content_per_stream) == {tokens}
+        whole = gw.max_content_per_http_chunk == 1
+        seen = "/".join(str(k) for k in sorted(gw.content_per_stream)) or "none"
+        out.append(Check(f"events per stream, 1 per chunk @ {conc}", float(same and whole),
+                         f"all {tokens}, unmerged", same and whole,
+                         f"{seen}, max {gw.max_content_per_http_chunk}"))  # fmt: skip
+    flat = [cells["gateway", c].cpu_us_per_event for c in concurrencies if c >= 32]
+    if len(flat) >= 2:
+        ratio = max(flat) / min(flat)
+        out.append(Check(f"CPU per event flat, {min(c for c in concurrencies if c >= 32)}-"
+                         f"{max(concurrencies)} streams", ratio,
+                         f"max/min <= {CPU_FLAT_RATIO:g}", ratio <= CPU_FLAT_RATIO,
+                         f"{ratio:.2f}"))  # fmt: skip
     return out
+
+
+def memory_table(mem: MemoryResult) -> str:
+    """The many-streams run as a markdown table."""
+    return "\n".join(
+        [
+            "| streams | running | gateway RSS idle | RSS with streams | per stream "
+            "| probe TTFT p50 / p99 via gateway | direct | gateway CPU | ok/sent |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {mem.streams:,} | {mem.running_at_sample:,} | {mem.rss_idle_mib:.0f} MiB | "
+            f"{mem.rss_loaded_mib:.0f} MiB | {mem.per_stream_kib:.1f} KiB | "
+            f"{_fmt(mem.probe_gateway_ms['p50'])} / {_fmt(mem.probe_gateway_ms['p99'])} ms | "
+            f"{_fmt(mem.probe_direct_ms['p50'])} / {_fmt(mem.probe_direct_ms['p99'])} ms | "
+            f"{mem.gateway_cpu_percent:.0f}% | {mem.streams_ok:,}/{mem.streams_sent:,} |",
+        ]
+    )
+
+
+def memory_checks(mem: MemoryResult) -> list[Check]:
+    """The many-streams targets (at 10,000 streams)."""
+    p99 = mem.probe_gateway_ms["p99"]
+    return [
+        Check(f"RSS with {mem.streams:,} streams", mem.rss_loaded_mib,
+              f"< {MEMORY_RSS_MAX_MIB:g} MiB", mem.rss_loaded_mib < MEMORY_RSS_MAX_MIB,
+              f"{mem.rss_loaded_mib:.0f} MiB"),
+        Check(f"probe TTFT p99 with {mem.streams:,} streams", p99,
+              f"< {MEMORY_PROBE_P99_MS:g} ms", p99 < MEMORY_PROBE_P99_MS, f"{p99:.1f} ms"),
+        Check(f"all {mem.streams:,} streams served", float(mem.streams_ok),
+              f"{mem.streams:,} ok", mem.streams_ok == mem.streams == mem.running_at_sample,
+              f"{mem.streams_ok:,} ok, {mem.running_at_sample:,} ran"),
+    ]  # fmt: skip
+
+
+def profile_text(streams: int, prof: dict[str, Any]) -> str:
+    """A profile's top functions as a markdown table."""
+    lines = [
+        f"Gateway profile at {streams} streams ({prof['samples']} samples):",
+        "",
+        "| own % | function | | total % | function |",
+        "|---:|---|---|---:|---|",
+    ]
+    rows = max(len(prof["own"]), 15)
+    for i in range(rows):
+        own = prof["own"][i] if i < len(prof["own"]) else ("", math.nan)
+        tot = prof["total"][i] if i < len(prof["total"]) else ("", math.nan)
+        lines.append(
+            f"| {_fmt(100 * own[1], 1)} | {own[0]} | | {_fmt(100 * tot[1], 1)} | {tot[0]} |"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,80 +989,106 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.overhead", description=__doc__.split("\n\n")[0]
     )
+    parser.add_argument("--concurrency", default="1,32,128,512,1024",
+                        help="comma-separated concurrent stream counts")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2, help="direct/gateway alternations")
     parser.add_argument(
-        "--requests",
-        type=int,
-        default=40,
-        help="streams each connection runs per (path, concurrency), split over the rounds",
+        "--duration",
+        type=float,
+        default=3.0,
+        help="seconds each round sends new streams after all have started",
     )
-    parser.add_argument("--rounds", type=int, default=4, help="direct/gateway alternations")
     parser.add_argument(
-        "--concurrency", default="1,32", help="comma-separated concurrent stream counts"
+        "--duration-single",
+        type=float,
+        default=5.0,
+        help="the same at 1 stream (TTFT percentiles need samples)",
     )
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--ttft-ms", type=float, default=20.0, help="the fake workers' TTFT")
+    parser.add_argument("--itl-ms", type=float, default=10.0, help="the fake workers' ITL")
     parser.add_argument(
-        "--arrival",
-        choices=["staggered", "burst"],
-        default="staggered",
-        help="staggered: the connections start one stream-length/N apart (steady state); "
-        "burst: all N send their first request at once, and stay in lock-step",
+        "--max-rate",
+        type=float,
+        default=12800.0,
+        help="tokens/s of all streams together; above it each stream is slowed (0: never)",
     )
-    parser.add_argument("--ttft-ms", type=float, default=20.0, help="the fake worker's TTFT")
-    parser.add_argument("--itl-ms", type=float, default=10.0, help="the fake worker's ITL")
+    parser.add_argument("--workers", type=int, default=4, help="fake worker processes")
+    parser.add_argument("--clients", type=int, default=2, help="load client processes")
+    parser.add_argument(
+        "--memory-streams",
+        type=int,
+        default=2048,
+        help="streams at 1 token/s for the memory run (0: skip it)",
+    )
+    parser.add_argument("--memory-only", action="store_true", help="only the memory run")
+    parser.add_argument("--memory-probe-s", type=float, default=10.0)
+    parser.add_argument(
+        "--connect-rate",
+        type=float,
+        default=2000.0,
+        help="new streams per second in the memory run",
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated stream counts to profile the gateway at (py-spy)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead.json")
     parser.add_argument(
         "--logs",
         type=Path,
         default=ROOT / "bench" / "results" / "logs",
-        help="where the worker's and gateway's output goes",
+        help="where the workers' and gateway's output goes",
     )
     parser.add_argument(
         "--gateway-env",
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="extra environment for the gateway, e.g. GATEWAY_LOG_LEVEL=warning (repeatable)",
+        help="extra environment for the gateway (repeatable)",
     )
     parser.add_argument(
-        "--direct-only", action="store_true", help="measure the worker alone (no gateway)"
+        "--b-ref",
+        default="",
+        help="also run a second gateway (gateway-b) from this git commit, "
+        "alternating with the others: an A/B in one run",
     )
+    parser.add_argument(
+        "--b-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also run gateway-b with this extra environment (repeatable)",
+    )
+    parser.add_argument("--direct-only", action="store_true",
+                        help="measure the workers alone (no gateway)")  # fmt: skip
     args = parser.parse_args(argv)
-    for item in args.gateway_env:
+    for item in args.gateway_env + args.b_env:
         if "=" not in item:
             parser.error(f"--gateway-env wants NAME=VALUE, got {item!r}")
     return args
+
+
+def _export(ref: str, logs: Path) -> Path:
+    """The tree of git commit ``ref``, extracted next to the logs (for gateway-b)."""
+    dest = logs / f"tree-{ref.replace('/', '_')}"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", ref, "app"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
 
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def _runner() -> asyncio.Runner:
-    """A runner on uvloop when installed: the client's own overhead is then smaller."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.Runner()
-    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-
-
 def _sigterm(signum: int, frame: FrameType | None) -> None:
-    # Unwind normally so that Stack.__exit__ stops the subprocesses.
+    # Unwind normally so that the stack's __exit__ stops the subprocesses.
     raise KeyboardInterrupt
-
-
-async def _cancel_on_sigterm(work: Coroutine[Any, Any, _T]) -> _T:
-    """Await ``work``; SIGTERM cancels it cleanly rather than raising inside a loop callback."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    try:
-        return await work
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        # remove_signal_handler restored SIG_DFL; outside the loop, unwind as before.
-        signal.signal(signal.SIGTERM, _sigterm)
 
 
 @contextlib.contextmanager
@@ -759,87 +1104,87 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """Run the benchmark described by ``args``; returns the JSON report (None on failure)."""
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     gateway = not args.direct_only
-    gateway_env = dict(item.split("=", 1) for item in args.gateway_env)
+    gateway_env = {
+        # Enough for the largest load on every worker: admission runs, and queues nothing.
+        "GATEWAY_MAX_RUNNING_PER_WORKER": str(max(256, max(concurrencies))),
+        "GATEWAY_LOG_LEVEL": "warning",
+    } | dict(item.split("=", 1) for item in args.gateway_env)
+    b_env = dict(item.split("=", 1) for item in args.b_env)
+    b_root = _export(args.b_ref, args.logs) if args.b_ref else None
     started = time.time()
     load_before = _loadavg()
-    _log(f"starting fake worker{' and gateway' if gateway else ''}")
+    cells: dict[tuple[Mode, int], Cell] = {}
+    profiles: dict[int, dict[str, Any]] = {}
+    mem: MemoryResult | None = None
     try:
-        with Stack(
-            gateway=gateway,
-            ttft_ms=args.ttft_ms,
-            itl_ms=args.itl_ms,
-            logdir=args.logs,
-            gateway_env=gateway_env,
-            log=_log,
-        ) as stack:
-            targets: dict[Mode, int] = {"direct": stack.worker_port}
-            if gateway:
-                targets["gateway"] = stack.gateway_port
-            _log(f"targets: {targets}; measuring")
-            work = measure(
-                targets,
-                concurrencies,
-                args.requests,
-                args.rounds,
-                args.max_tokens,
-                _log,
-                Probes(stack.cpu_seconds, stack.worker_port),
-                (args.ttft_ms + (args.max_tokens - 1) * args.itl_ms) / 1000,
-                args.arrival == "burst",
-            )
-            with _runner() as runner:
-                try:
-                    cells = runner.run(_cancel_on_sigterm(work))
-                except asyncio.CancelledError:
-                    raise KeyboardInterrupt from None
-        _log(f"worker and gateway output: {args.logs}/")
+        if not args.memory_only:
+            _log(f"starting {args.workers} fake worker(s){' and the gateway' if gateway else ''}")
+            with (
+                Stack(
+                    workers=args.workers, gateway=gateway, logdir=args.logs,
+                    gateway_env=gateway_env, log=_log, max_num_seqs=max(1024, *concurrencies),
+                    nofile=4 * max(concurrencies) + 1024, b_root=b_root, b_env=b_env,
+                ) as stack,
+                contextlib.closing(ClientPool(args.clients)) as clients,
+            ):  # fmt: skip
+                bench = Bench(stack, clients)
+                targets: dict[Mode, list[int]] = {"direct": stack.worker_ports}
+                for name, port in stack.gateway_ports.items():
+                    targets[name] = [port]
+                _log(f"targets: {targets}; measuring")
+                cells = measure(bench, targets, args, concurrencies, _log)
+                for conc in [int(c) for c in args.profile.split(",") if c.strip()]:
+                    if gateway:
+                        prof = profile_round(bench, args, conc, _log)
+                        if prof is not None:
+                            profiles[conc] = prof
+        if gateway and args.memory_streams > 0:
+            mem = memory_run(args, _log)
     except RuntimeError as exc:
         _log(f"FAILED: {exc}")
         return None
-    print()
-    print(f"## Gateway overhead ({'via gateway' if gateway else 'direct only'})")
-    print()
-    print(
-        f"fake worker: TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms, "
-        f"max_tokens {args.max_tokens}; {args.requests} streams per connection per cell over "
-        f"{args.rounds} rounds; {args.arrival} arrivals; {os.cpu_count()} CPUs, "
-        f"1-min load average {_fmt(load_before)} before, {_fmt(_loadavg())} after"
-    )
-    print()
-    print(table(cells))
-    print()
-    print(process_table(cells))
-    print()
     summary: list[Check] = []
-    if gateway:
-        summary = checks(cells, concurrencies, args.max_tokens)
+    if cells:
+        print()
+        print(f"## Gateway overhead ({'via gateway' if gateway else 'direct only'})")
+        print()
+        print(
+            f"fake workers: {args.workers}, TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms "
+            f"(slowed above {args.max_rate:,.0f} tokens/s in all), max_tokens {args.max_tokens}; "
+            f"{args.clients} client processes; {args.rounds} ABBA rounds of {args.duration:g} s "
+            f"({args.duration_single:g} s at 1 stream); {os.cpu_count()} CPUs, 1-min load "
+            f"average {_fmt(load_before)} before, {_fmt(_loadavg())} after"
+        )
+        print()
+        print(table(cells))
+        print()
+        print(process_table(cells))
+        print()
+        if gateway:
+            summary = checks(cells, concurrencies, args.max_tokens)
+    if mem is not None:
+        print(memory_table(mem))
+        print()
+        summary += memory_checks(mem)
+    if summary:
         print("```")
         for check in summary:
             print(check.line())
         print("```")
+    for conc, prof in profiles.items():
+        print()
+        print(profile_text(conc, prof))
     for cell in cells.values():
         if cell.errors:
-            _log(f"{cell.mode} x{cell.concurrency} errors: {cell.errors}")
-        if cell.max_content_per_http_chunk > 1:
-            _log(
-                f"{cell.mode} x{cell.concurrency}: up to {cell.max_content_per_http_chunk} "
-                "content events arrived in one HTTP chunk (batched)"
-            )
+            _log(f"{cell.mode} x{cell.streams} errors: {cell.errors}")
+    if mem is not None and mem.errors:
+        _log(f"memory run errors: {mem.errors}")
     return {
         "benchmark": "gateway_overhead",
         "mode": "gateway" if gateway else "direct_only",
         "started_at": started,
         "duration_s": time.time() - started,
-        "config": {
-            "requests_per_connection": args.requests,
-            "rounds": args.rounds,
-            "concurrency": concurrencies,
-            "max_tokens": args.max_tokens,
-            "worker_ttft_ms": args.ttft_ms,
-            "worker_itl_ms": args.itl_ms,
-            "arrival": args.arrival,
-            "gateway_env": gateway_env,
-        },
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "environment": {
             "python": sys.version.split()[0],
             "platform": platform.platform(),
@@ -849,6 +1194,23 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             "loadavg_1min_after": _loadavg(),
         },
         "cells": [cell.to_json() for cell in cells.values()],
+        "memory": None
+        if mem is None
+        else {
+            "streams": mem.streams,
+            "running": mem.running_at_sample,
+            "rss_idle_mib": mem.rss_idle_mib,
+            "rss_loaded_mib": mem.rss_loaded_mib,
+            "per_stream_kib": mem.per_stream_kib,
+            "probe_gateway_ms": mem.probe_gateway_ms,
+            "probe_direct_ms": mem.probe_direct_ms,
+            "probes": mem.probes,
+            "streams_ok": mem.streams_ok,
+            "gateway_cpu_percent": mem.gateway_cpu_percent,
+            "gateway_nofile_soft": mem.nofile_soft,
+            "errors": mem.errors,
+        },
+        "profiles": profiles,
         "targets": [
             {"name": c.name, "value": c.value, "target": c.target, "pass": c.passed}
             for c in summary
@@ -869,7 +1231,7 @@ def _nan_to_none(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {k: _nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return [_nan_to_none(v) for v in value]
     return value
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -514,6 +515,27 @@ async def test_twenty_client_disconnects_do_not_eject_the_worker() -> None:
     )
     assert cancelled == 20
     assert ok.status_code == 200
+
+
+async def test_out_of_file_descriptors_is_the_gateways_own_503_never_the_workers() -> None:
+    async def no_descriptors(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        # What a connect looks like when the process has no descriptor left for the socket.
+        cause = OSError(errno.EMFILE, "Too many open files")
+        raise httpx.ConnectError("Too many open files", request=request) from cause
+
+    worker = FakeWorker(no_descriptors)
+    async with running_gateway(settings_for(WORKER), worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            answers = [await client.post("/v1/chat/completions", json=_chat()) for _ in range(6)]
+            metrics = (await client.get("/metrics")).text
+    for answer in answers:
+        assert answer.status_code == 503
+        assert answer.json()["error"]["code"] == "gateway_saturated"
+        assert "retry-after" in answer.headers
+    assert len(worker.requests) == 6  # tried once each: no failover, since no worker failed
+    assert 'gateway_saturated_total{resource="upstream_connections"} 6.0' in metrics
+    assert 'gateway_worker_ejections_total{worker="fake-worker:8100"} 0.0' in metrics
+    assert 'gateway_worker_up{worker="fake-worker:8100"} 1.0' in metrics
 
 
 async def test_a_key_with_non_ascii_characters_matches_on_its_utf8_bytes() -> None:

@@ -330,3 +330,15 @@ async def test_the_first_token_timeout_runs_from_arrival_across_attempts() -> No
     assert status == 504
     assert json.loads(body)["error"]["code"] == "upstream_timeout"
     assert took == pytest.approx(1.0, abs=0.25)  # not 0.7 + 1.0 s
+
+
+def test_thousands_of_failures_keep_the_backoff_at_its_longest() -> None:
+    # In-flight requests keep failing after an ejection; each three count one more ejection.
+    clock = FakeClock()
+    settings = settings_for("http://a:1", eject_after_failures=3, eject_max_s=30.0)
+    pool = _pool(settings, clock)
+    a = pool.workers["a:1"]
+    a.up = True
+    for _ in range(3 * 1100):
+        pool.report_failure(a, "no_worker")
+    assert a.ejected_until == pytest.approx(clock.now + 30.0)

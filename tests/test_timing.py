@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from starlette.types import Message
 
 from app.app import create_app
 from app.arrival import FIRST_BYTE_KEY
 from app.looplag import LAG_BUCKETS, LoopLagProbe
+from app.metrics import BatchHistogram
 from app.state import STATE_KEY
 from app.timing import RequestTimer
 from tests.fake_upstream import MODEL, FakeWorker, tokens
@@ -107,6 +109,27 @@ def test_a_failed_attempt_is_failover_time_not_queue_or_overhead() -> None:
     assert s.overhead_s == pytest.approx(0.003)
     assert s.failover_s == pytest.approx(2.0)
     assert s.ttft_s == pytest.approx(2.353)
+
+
+def test_batched_itl_histogram_exposes_what_prometheus_client_would() -> None:
+    bounds = [0.001, 0.005, 0.01, 0.1, 1.0]
+    gaps = [0.0005, 0.001, 0.004, 0.005, 0.0051, 0.2, 5.0, 0.01]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    batched = BatchHistogram("gateway_x_seconds", "doc", ["model"], bounds, ours)
+    plain = Histogram("gateway_x_seconds", "doc", ["model"], buckets=bounds, registry=theirs)
+    batched.labels("m").observe_all(gaps[:5])
+    for gap in gaps[5:]:
+        batched.labels("m").observe(gap)
+    for gap in gaps:
+        plain.labels("m").observe(gap)
+
+    def text(registry: CollectorRegistry) -> str:
+        # _created is a wall-clock timestamp: only its presence is compared.
+        return re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", generate_latest(registry).decode())
+
+    assert text(ours) == text(theirs)
+    batched.remove("m")
+    assert "gateway_x_seconds_count" not in text(ours)
 
 
 # Where the gateway's timestamps are taken: the request's first byte, and each event once its

@@ -1,0 +1,72 @@
+"""The relay's idle deadline: moved on every event for the cost of a float store."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.deadline import Deadline
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_a_deadline_that_is_not_moved_times_the_block_out() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(TimeoutError):
+        async with Deadline(start + 0.05):
+            await asyncio.sleep(1)
+    assert 0.04 <= loop.time() - start < 0.5
+
+
+async def test_moving_the_deadline_later_keeps_the_block_alive_until_the_new_one() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def five_events_then_silence() -> None:
+        async with Deadline(start + 0.05) as deadline:
+            for _ in range(5):
+                await asyncio.sleep(0.03)
+                deadline.move(loop.time() + 0.05)  # an event arrived: the idle clock restarts
+            await asyncio.sleep(1)
+
+    with pytest.raises(TimeoutError):
+        await five_events_then_silence()
+    # Five events 30 ms apart, then 50 ms of silence: ~200 ms, far past the first deadline.
+    assert loop.time() - start >= 0.18
+
+
+async def test_moving_the_deadline_earlier_brings_the_timeout_forward() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def moved_earlier() -> None:
+        async with Deadline(start + 10) as deadline:
+            deadline.move(loop.time() + 0.05)
+            await asyncio.sleep(1)
+
+    with pytest.raises(TimeoutError):
+        await moved_earlier()
+    assert loop.time() - start < 0.5
+
+
+async def test_a_cancellation_from_outside_is_not_turned_into_a_timeout() -> None:
+    loop = asyncio.get_running_loop()
+
+    async def body() -> None:
+        async with Deadline(loop.time() + 10):
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(body())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_block_that_ends_in_time_is_left_alone() -> None:
+    loop = asyncio.get_running_loop()
+    async with Deadline(loop.time() + 0.05) as deadline:
+        deadline.move(loop.time() + 0.05)
+    await asyncio.sleep(0.1)  # the timer was cancelled: nothing fires into this task now

@@ -1,0 +1,63 @@
+"""What the relay costs per event must not grow with the number of streams.
+
+The gateway runs as a real process (``python -m app``) in front of fake workers
+(:mod:`bench.fake_worker`), loaded by the benchmark's client processes. The same requests per
+second are sent as 8 streams and as 128 streams (each held 16x longer), so that only the
+concurrency differs, and the gateway's CPU time per relayed event must not double. Each
+request carries one token, so that what a request costs is what is weighed: a per-request cost
+that grows with the number of open connections (httpcore's pool walked every pooled connection
+and every request in flight for each request) shows at its full size.
+
+Admission is off: a worker that holds 128 streams for 1.6 s before their first token looks
+overloaded to it, and it would queue and turn requests away; its own work per request is per
+worker, not per stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from pathlib import Path
+
+from app.upstream import connection_budget
+from bench.load_client import ClientPool
+from bench.overhead import Bench, Load, Stack
+
+# 80 requests a second either way: 8 streams answered after 100 ms, 128 after 1.6 s.
+_FEW = Load(streams=8, duration_s=2.5, max_tokens=1, ttft_ms=100.0, itl_ms=10.0)
+_MANY = Load(streams=128, duration_s=2.5, max_tokens=1, ttft_ms=1600.0, itl_ms=10.0)
+_MAX_RATIO = 2.0
+
+
+def test_cpu_per_event_at_128_streams_is_under_twice_that_at_8(tmp_path: Path) -> None:
+    env = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_ADMISSION": "false"}
+    cpu = {_FEW.streams: 0.0, _MANY.streams: 0.0}
+    events = {_FEW.streams: 0, _MANY.streams: 0}
+    with (
+        Stack(
+            workers=2, gateway=True, logdir=tmp_path, gateway_env=env, log=print,
+            max_num_seqs=1024,
+        ) as stack,
+        contextlib.closing(ClientPool(2)) as clients,
+    ):  # fmt: skip
+        bench = Bench(stack, clients)
+        port = [stack.gateway_port]
+        for load in (_FEW, _MANY):  # warm up: connections to the workers, code paths
+            bench.round(port, Load(load.streams, 0.3, 1, load.ttft_ms, 10.0))
+        # Alternating, so that a neighbour's burst on a shared machine lands on both.
+        for load in (_FEW, _MANY, _FEW, _MANY):
+            out = bench.round(port, load, count_connections=False)
+            assert out.result.sent > 0
+            assert out.result.ok == out.result.sent, out.result.errors
+            cpu[load.streams] += out.cpu["gateway"]
+            events[load.streams] += out.result.content_events
+    few, many = (cpu[n] / events[n] for n in (_FEW.streams, _MANY.streams))
+    print(f"gateway CPU per event: {few * 1e6:.0f} us at 8 streams, {many * 1e6:.0f} at 128")
+    assert many / few <= _MAX_RATIO, f"{many * 1e6:.0f} us at 128 streams, {few * 1e6:.0f} at 8"
+
+
+def test_the_connection_budget_fits_the_descriptors_the_process_may_open() -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert connection_budget(4) == 4
+    # Two descriptors per stream (client and worker) and some kept back: never more than half.
+    assert connection_budget(10 * soft) < soft // 2
