@@ -33,6 +33,7 @@ import http
 import json
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, ClassVar
@@ -293,6 +294,40 @@ def server_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Confi
     return uvicorn.Config(app, **values)
 
 
+def collect_on_a_timer(
+    loop: asyncio.AbstractEventLoop, every_s: float = _FULL_COLLECTION_S
+) -> Callable[[], None]:
+    """Keep full garbage collections out of requests; return what undoes it.
+
+    Everything built so far (modules, the app, its lifespan's state) lives as long as the
+    process: frozen, out of the collector's sight, a full collection no longer walks it
+    (~70,000 objects, 50 ms on a 2-vCPU VM, paid by whichever request was allocating). The
+    oldest generation then holds every running stream's objects (~150 each); Python starts a
+    full collection whenever it grew by a quarter, so while streams ramp up it walks them over
+    and over: at 6,000 streams that stopped the event loop for 0.8-1.4 s at a time, connects to
+    the workers timed out and healthy workers were ejected. Full collections run every
+    ``every_s`` instead; the young generations, where most cycles die, are collected as before.
+    """
+    gc.freeze()
+    young, middle, oldest = gc.get_threshold()
+    gc.set_threshold(young, middle, _NEVER)
+    handle: asyncio.TimerHandle | None = None
+
+    def collect() -> None:
+        nonlocal handle
+        gc.collect()
+        handle = loop.call_later(every_s, collect)
+
+    def undo() -> None:
+        if handle is not None:
+            handle.cancel()
+        gc.set_threshold(young, middle, oldest)
+        gc.unfreeze()
+
+    handle = loop.call_later(every_s, collect)
+    return undo
+
+
 class GatewayServer(uvicorn.Server):
     """uvicorn's server with a drain (:mod:`app.shutdown`).
 
@@ -309,24 +344,7 @@ class GatewayServer(uvicorn.Server):
         """Remember the loop the signal handler hands the drain to; freeze the start-up heap."""
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
-        # Everything built so far (modules, the app, its lifespan's state) lives as long as the
-        # process: out of the collector's sight, a full collection no longer walks it (~70,000
-        # objects, 50 ms on a 2-vCPU VM, paid by whichever request was allocating).
-        gc.freeze()
-        # The oldest generation holds every running stream's objects (~150 each). Python starts
-        # a full collection whenever it grew by a quarter, so while streams ramp up it walks
-        # them over and over: at 6,000 streams that stopped the event loop for 0.8-1.4 s at a
-        # time, connects to the workers timed out and healthy workers were ejected. Full
-        # collections now run on a timer instead; the young generations, where most cycles
-        # die, are collected as before.
-        young, middle, _ = gc.get_threshold()
-        gc.set_threshold(young, middle, _NEVER)
-        self._loop.call_later(_FULL_COLLECTION_S, self._collect)
-
-    def _collect(self) -> None:
-        assert self._loop is not None
-        gc.collect()
-        self._loop.call_later(_FULL_COLLECTION_S, self._collect)
+        collect_on_a_timer(self._loop)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start the drain, or stop now if it had started."""
