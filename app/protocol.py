@@ -260,17 +260,15 @@ class ParsedRequest:
         # every other stream goes to the client exactly as the worker sent it.
         self.wants_usage = not endpoint.chunks or bool(opts is not None and opts.include_usage)
 
-    def upstream_body(self) -> bytes | Upload:
+    def upstream_body(self) -> bytes:
         """The body to send the worker: the client's own bytes, unless usage must be asked for.
 
         The gateway needs ``usage`` to count tokens. When a streaming client did not ask for it,
         the worker is asked for the final usage chunk only (``include_usage``, and never
         ``continuous_usage_stats``, which vLLM honours only together with ``include_usage``);
         the relay then gives the client the stream vLLM would have sent it
-        (:mod:`app.relay`). An upload goes as it came.
+        (:mod:`app.relay`). An upload (:attr:`upload`) goes as it came, instead.
         """
-        if self.upload is not None:
-            return self.upload
         if not self.stream or self.wants_usage:
             return self.raw
         opts = dict(self.body.get("stream_options") or {})

@@ -503,7 +503,8 @@ class Relay(Response):
 
     @functools.cached_property
     def _upstream_body(self) -> bytes | Upload:
-        return self._request.upstream_body()
+        upload = self._request.upload
+        return upload if upload is not None else self._request.upstream_body()
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True
