@@ -10,6 +10,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from app.admission import AdmissionController
@@ -34,6 +35,11 @@ from app.upstream import UpstreamSlots, connection_budget, make_client
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
+
+CORS_EXPOSED_HEADERS = [
+    "x-request-id", "retry-after", "retry-after-ms", "x-gateway-tier", "x-gateway-queue-ms",
+]  # fmt: skip
+"""Response headers a browser's script may read (with ``GATEWAY_CORS_ORIGINS`` set)."""
 
 
 def create_app(
@@ -108,6 +114,17 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(router)
+    if settings.cors_origins:
+        # Inside the trace (added before it): a preflight it answers still gets an id and a
+        # log line. Bearer keys, not cookies: no credentials.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=CORS_EXPOSED_HEADERS,
+            max_age=600,
+        )
     app.add_middleware(TraceMiddleware)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

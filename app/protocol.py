@@ -1,21 +1,28 @@
-"""Request models of the OpenAI API, as far as the gateway needs to read them.
+"""The endpoints the gateway relays by model, and the request fields it reads from each.
+
+Every endpoint is described once, in :data:`_SPECS`: the paths it answers (vLLM's aliases
+included), what it costs a worker (:class:`Cost`: a prefill and a decode, a prefill alone, or
+nothing of the engine's), how its streamed output events are recognised (:class:`Events`), and
+its body's format. The routes, the relay, admission's ticket and the recorder read these
+properties; no endpoint has a handler of its own.
 
 The gateway reads only the fields it acts on (``model``, ``stream``, ``stream_options``,
-``max_tokens``, ``max_completion_tokens``, ``n``, ``user``) and checks that chat requests carry a
-``messages`` list; everything else is the worker's to judge. The fields are typed as vLLM types
-them (``vllm/entrypoints/openai/*/protocol.py``, pydantic's default lax mode), so the gateway
-accepts whatever vLLM accepts: ``"max_tokens": 4.0`` or ``"4"``, ``"stream": "false"`` or ``0``,
-``"include_usage": "yes"``, and a missing ``model`` (see :meth:`app.routing.Router.default_model`).
-Unknown fields (vLLM extensions such as ``ignore_eos`` or ``top_k``) are allowed, and the body
-forwarded to the worker is the client's own bytes, changed only as
-:meth:`ParsedRequest.upstream_body` says.
+``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``, ``n``, ``user``) and checks
+that chat requests carry a ``messages`` list; everything else is the worker's to judge. The
+fields are typed as vLLM types them (``vllm/entrypoints/openai/*/protocol.py``, pydantic's
+default lax mode), so the gateway accepts whatever vLLM accepts: ``"max_tokens": 4.0`` or
+``"4"``, ``"stream": "false"`` or ``0``, ``"include_usage": "yes"``, and a missing ``model``
+(see :meth:`app.routing.Router.default_model`). Unknown fields (vLLM extensions such as
+``ignore_eos`` or ``top_k``) are allowed, and the body forwarded to the worker is the client's
+own bytes, changed only as :meth:`ParsedRequest.upstream_body` says.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from enum import StrEnum
+from dataclasses import dataclass
+from enum import Enum, StrEnum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,16 +30,80 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from app.errors import InvalidRequest
 
 
+class Cost(Enum):
+    """What a request of an endpoint costs a worker's engine, as admission counts it."""
+
+    DECODE = "decode"
+    """A prefill, then a decode of up to ``max_tokens``: the generation endpoints."""
+    PREFILL = "prefill"
+    """A prefill and no decode: embeddings, score, rerank, pooling."""
+    NONE = "none"
+    """No engine work: the worker's tokenizer answers. Not admitted, queued or SLO-judged."""
+
+
+class Events(Enum):
+    """How a streamed answer's events are read (:mod:`app.sse`)."""
+
+    CHAT = "chat"
+    """OpenAI chunks (``choices[].delta``), a usage chunk, then ``data: [DONE]``."""
+    RESPONSES = "responses"
+    """The Responses API's typed events; output is a ``response.*.delta``, and the stream ends
+    with ``response.completed`` (or ``incomplete``), which carries the usage."""
+
+
 class Endpoint(StrEnum):
-    """The generation endpoints the gateway relays; the value is the metrics label."""
+    """The endpoints the gateway relays by model; the value is the metrics label."""
 
     CHAT = "chat"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"
+    EMBEDDINGS = "embeddings"
+    SCORE = "score"
+    RERANK = "rerank"
+    POOLING = "pooling"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    TRANSCRIPTIONS = "transcriptions"
 
     @property
     def path(self) -> str:
-        """The worker path for this endpoint."""
-        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+        """The endpoint's main path (the worker is sent the path the client used)."""
+        return _SPECS[self].paths[0]
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every path of the endpoint: the main one, then vLLM's aliases."""
+        return _SPECS[self].paths
+
+    @property
+    def cost(self) -> Cost:
+        """What one request costs the worker's engine."""
+        return _SPECS[self].cost
+
+    @property
+    def events(self) -> Events:
+        """How its streamed events are recognised (only read when a request streams)."""
+        return _SPECS[self].events
+
+    @property
+    def form(self) -> bool:
+        """Whether its body is ``multipart/form-data`` (an upload) rather than JSON."""
+        return _SPECS[self].form
+
+    @property
+    def judged(self) -> bool:
+        """Whether its requests count towards the tiers' SLOs (``gateway_slo_requests_total``).
+
+        Everything the engine works on: generation is judged on TTFT and TPOT (or its whole
+        latency against the budget they allow), a prefill-only request on its whole latency
+        against the TTFT target. The tokenizer's answers are not.
+        """
+        return _SPECS[self].cost is not Cost.NONE
+
+    @property
+    def chunks(self) -> bool:
+        """Whether its answers are chat or text completions (``system_fingerprint``, usage)."""
+        return self is Endpoint.CHAT or self is Endpoint.COMPLETIONS
 
 
 # Token counts beyond any context window (vLLM's limits are int32): a 400, never an overflow.
@@ -53,17 +124,22 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _GenerationRequest(BaseModel):
+class _Fields(BaseModel):
+    """The fields every relayed request may carry."""
+
     model_config = ConfigDict(extra="allow")
 
     # vLLM serves its first model when ``model`` is missing, null or empty.
     model: str | None = None
+    user: str | None = None
+
+
+class _GenerationRequest(_Fields):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
     n: _Count | None = 1
-    user: str | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -76,37 +152,113 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions`` (vLLM also takes ``prompt_embeds`` instead of ``prompt``)."""
 
 
-_MODELS: dict[Endpoint, type[_GenerationRequest]] = {
-    Endpoint.CHAT: ChatCompletionRequest,
-    Endpoint.COMPLETIONS: CompletionRequest,
+class ResponsesRequest(_Fields):
+    """``POST /v1/responses`` (its usage always comes with the answer: nothing is added)."""
+
+    stream: bool | None = False
+    max_output_tokens: TokenCount | None = None
+
+
+class PoolingRequest(_Fields):
+    """Embeddings, score, rerank, pooling, tokenize, detokenize: never streamed."""
+
+
+class TranscriptionRequest(_Fields):
+    """``POST /v1/audio/transcriptions``: its form's text fields (strings, read laxly)."""
+
+    stream: bool | None = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    paths: tuple[str, ...]
+    cost: Cost
+    fields: type[_Fields]
+    events: Events = Events.CHAT
+    form: bool = False
+
+
+# vLLM 0.32 serves score at /score and /v1/score, rerank at /rerank, /v1/rerank and /v2/rerank.
+_SPECS: dict[Endpoint, _Spec] = {
+    Endpoint.CHAT: _Spec(("/v1/chat/completions",), Cost.DECODE, ChatCompletionRequest),
+    Endpoint.COMPLETIONS: _Spec(("/v1/completions",), Cost.DECODE, CompletionRequest),
+    Endpoint.RESPONSES: _Spec(
+        ("/v1/responses",), Cost.DECODE, ResponsesRequest, events=Events.RESPONSES
+    ),
+    Endpoint.EMBEDDINGS: _Spec(("/v1/embeddings",), Cost.PREFILL, PoolingRequest),
+    Endpoint.SCORE: _Spec(("/v1/score", "/score"), Cost.PREFILL, PoolingRequest),
+    Endpoint.RERANK: _Spec(("/v1/rerank", "/rerank", "/v2/rerank"), Cost.PREFILL, PoolingRequest),
+    Endpoint.POOLING: _Spec(("/pooling",), Cost.PREFILL, PoolingRequest),
+    Endpoint.TOKENIZE: _Spec(("/tokenize",), Cost.NONE, PoolingRequest),
+    Endpoint.DETOKENIZE: _Spec(("/detokenize",), Cost.NONE, PoolingRequest),
+    # Speech to text decodes text (streamed like chat chunks); its prompt is audio, which the
+    # gateway does not size (:attr:`ParsedRequest.size` counts the form's text fields only).
+    Endpoint.TRANSCRIPTIONS: _Spec(
+        ("/v1/audio/transcriptions",), Cost.DECODE, TranscriptionRequest, form=True
+    ),
 }
+
+ENDPOINT_PATHS: dict[str, Endpoint] = {
+    path: endpoint for endpoint in Endpoint for path in endpoint.paths
+}
+"""Every path the gateway relays by model (``POST``), to its endpoint."""
+
+
+class Upload:
+    """A ``multipart/form-data`` body as the client sent it: its chunks, kept once, in order.
+
+    Held (not joined) so that it is in memory once, and can be sent again on failover.
+    """
+
+    __slots__ = ("chunks", "content_type", "size")
+
+    def __init__(self, chunks: list[bytes], content_type: str) -> None:
+        self.chunks = chunks
+        self.content_type = content_type
+        self.size = sum(len(chunk) for chunk in chunks)
 
 
 class ParsedRequest:
-    """A validated generation request: the client's JSON plus the fields the gateway uses.
+    """A validated request: the client's body plus the fields the gateway uses.
 
-    ``model`` is empty when the client named none; the route fills in the default.
+    ``model`` is empty when the client named none; the route fills in the default. ``path`` is
+    the path the client used (one of the endpoint's), which the worker is sent too.
     """
 
     __slots__ = (
-        "body", "endpoint", "max_tokens", "model", "n", "raw", "size", "stream", "user",
-        "wants_usage",
+        "body", "endpoint", "max_tokens", "model", "n", "path", "raw", "size", "stream",
+        "upload", "user", "wants_usage",
     )  # fmt: skip
 
     def __init__(
-        self, endpoint: Endpoint, body: dict[str, Any], fields: _GenerationRequest, raw: bytes
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        fields: _Fields,
+        raw: bytes,
+        path: str | None = None,
+        upload: Upload | None = None,
     ):
         self.endpoint = endpoint
+        self.path = path or endpoint.path
         self.body = body
         self.raw = raw
+        self.upload = upload
+        # What the prompt's size is estimated from: the JSON body, or an upload's text fields.
         self.size = len(raw)
         self.user = fields.user
-        self.max_tokens = fields.max_completion_tokens or fields.max_tokens
-        self.n = max(1, fields.n or 1)
         self.model = fields.model or ""
-        self.stream = bool(fields.stream)
-        opts = fields.stream_options
-        self.wants_usage = bool(opts is not None and opts.include_usage)
+        self.stream = bool(_declared(fields, "stream"))
+        self.max_tokens: int | None = (
+            _declared(fields, "max_completion_tokens")
+            or _declared(fields, "max_tokens")
+            or _declared(fields, "max_output_tokens")
+        )
+        self.n = max(1, _declared(fields, "n") or 1)
+        opts = _declared(fields, "stream_options")
+        # Only chat and text completions are asked for a usage chunk the client did not want;
+        # every other stream goes to the client exactly as the worker sent it.
+        self.wants_usage = not endpoint.chunks or bool(opts is not None and opts.include_usage)
 
     def upstream_body(self) -> bytes:
         """The body to send the worker: the client's own bytes, unless usage must be asked for.
@@ -115,7 +267,7 @@ class ParsedRequest:
         the worker is asked for the final usage chunk only (``include_usage``, and never
         ``continuous_usage_stats``, which vLLM honours only together with ``include_usage``);
         the relay then gives the client the stream vLLM would have sent it
-        (:mod:`app.relay`).
+        (:mod:`app.relay`). An upload (:attr:`upload`) goes as it came, instead.
         """
         if not self.stream or self.wants_usage:
             return self.raw
@@ -126,7 +278,31 @@ class ParsedRequest:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+def _declared(fields: _Fields, name: str) -> Any:
+    """A field the endpoint's model declares, else None (never a same-named extra field)."""
+    return getattr(fields, name) if name in type(fields).model_fields else None
+
+
+def parse_form(
+    endpoint: Endpoint, fields: dict[str, str], upload: Upload, path: str
+) -> ParsedRequest:
+    """Check an upload's text fields (strings, read as vLLM's form model reads them)."""
+    try:
+        parsed = endpoint_fields(endpoint).model_validate(fields)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+    text = sum(len(name) + len(value) for name, value in fields.items())
+    request = ParsedRequest(endpoint, dict(fields), parsed, b"", path, upload)
+    request.size = text
+    return request
+
+
+def endpoint_fields(endpoint: Endpoint) -> type[_Fields]:
+    """The model of the fields the gateway reads from ``endpoint``'s requests."""
+    return _SPECS[endpoint].fields
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, path: str | None = None) -> ParsedRequest:
     """Decode and check a request body; raise :class:`InvalidRequest` with the offending param."""
     try:
         text = raw.decode("utf-8")
@@ -161,10 +337,10 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
     try:
-        fields = _MODELS[endpoint].model_validate(body)
+        fields = _SPECS[endpoint].fields.model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
-    return ParsedRequest(endpoint, body, fields, raw)
+    return ParsedRequest(endpoint, body, fields, raw, path)
 
 
 def _validation_error(exc: ValidationError) -> InvalidRequest:

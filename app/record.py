@@ -2,8 +2,8 @@
 
 Metrics, goodput, the key's allowance, what the worker's models learn, and the access-log line.
 
-Every generation request that got as far as its route ends here exactly once, whether the relay
-served it or it was refused before (bad body, unknown key, key quota, no worker). Every other
+Every request relayed by model that got as far as its route ends here exactly once, whether the
+relay served it or it was refused before (bad body, unknown key, key quota, no worker). Every other
 response is recorded by :meth:`Recorder.plain` (from :mod:`app.trace` and :mod:`app.server`), so
 that each response leaves one access-log line and one ``gateway_requests_total`` count.
 """
@@ -21,12 +21,15 @@ from app.limits import Limits
 from app.metrics import GatewayMetrics
 from app.outcome import Decision, Outcome, Reason
 from app.predictor import PromptSizer
-from app.protocol import ParsedRequest
+from app.protocol import Endpoint, ParsedRequest
 from app.settings import Settings, TierSpec
 from app.timing import TimingSummary
 from app.workers import WorkerPool
 
 log = logging.getLogger("app.access")
+
+# The endpoints whose requests count towards the tiers' SLOs (the tokenizer's do not).
+_JUDGED = frozenset(endpoint.value for endpoint in Endpoint if endpoint.judged)
 
 
 @dataclass(slots=True)
@@ -92,12 +95,19 @@ class Recorder:
         stream = request is not None and request.stream
         max_tokens = None if request is None else request.max_tokens
         completion = None if tokens is None else tokens[1]
-        result = judge(
-            end.outcome, end.tier, end.timing, completion, stream, end.waited_s, max_tokens
-        )
+        # The tokenizer's answers are counted, but they are no service level: their latencies
+        # would only dilute the model's histograms, and the engine learns nothing from them.
+        judged = end.endpoint in _JUDGED
+        result = None
+        if judged:
+            # A prefill-only answer is not streamed and has no completion tokens: judged on its
+            # whole latency against the TTFT target (:func:`app.goodput.judge`).
+            result = judge(
+                end.outcome, end.tier, end.timing, completion, stream, end.waited_s, max_tokens
+            )
         if result is not None:
             self._goodput.record(end.model, tier, result, completion)
-        if end.outcome in (Outcome.OK, Outcome.CLIENT_CANCELLED) and request is not None:
+        if judged and end.outcome in (Outcome.OK, Outcome.CLIENT_CANCELLED) and request is not None:
             metrics.observe(end.model, tier, end.timing, stream)
             if end.lease is not None:
                 self._learn(end, end.lease, request)
@@ -111,7 +121,8 @@ class Recorder:
         metrics.worker_itl.labels(worker.label).observe_all(timing.itl_s)
         if tokens is not None:
             metrics.worker_completion_tokens.labels(worker.label).inc(tokens[1])
-            self._sizer.observe(end.model, request.size, tokens[0])
+            if request.upload is None:  # an upload's size is audio, not prompt text
+                self._sizer.observe(end.model, request.size, tokens[0])
             self._pool.record_tokens(worker, *tokens)
             worker.pace.observe_stream(tokens[1], timing.output_events)
         if end.outcome is not Outcome.OK:

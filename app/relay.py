@@ -1,10 +1,14 @@
 """The relay: sends a request to its worker and passes the answer back, timing every event.
 
-A :class:`Relay` is the ASGI response of a generation request. It opens the worker request
-itself, so everything that can fail before the first byte reaches the client (worker down,
-worker 4xx/5xx, first-token timeout) is still answered with a proper status code. Once the
-first event was sent, a failure becomes an in-band ``data: {"error": ...}`` event and the
-stream closes without ``[DONE]``.
+A :class:`Relay` is the ASGI response of every request relayed by model (the endpoints of
+:mod:`app.protocol`), whatever it costs: what differs between endpoints is read from its
+:class:`~app.protocol.Endpoint` (its worker path, how its stream's events are recognised,
+whether it is admitted and whether the worker's latency models learn from it).
+
+It opens the worker request itself, so everything that can fail before the first byte reaches
+the client (worker down, worker 4xx/5xx, first-token timeout) is still answered with a proper
+status code. Once the first event was sent, a failure becomes an in-band
+``data: {"error": ...}`` event and the stream closes without ``[DONE]``.
 
 Streams are relayed event by event as they arrive: no buffering, no merging, no splitting. A
 client that disconnects cancels the worker request at once (the worker sees its connection
@@ -51,7 +55,7 @@ from app.errors import (
 from app.lease import Lease
 from app.metrics import GatewayMetrics
 from app.outcome import Outcome
-from app.protocol import ParsedRequest
+from app.protocol import Cost, Events, ParsedRequest, Upload
 from app.record import Recorder, RequestEnd
 from app.routing import Choice, Router
 from app.settings import Settings
@@ -61,6 +65,7 @@ from app.sse import (
     EventKind,
     EventSplitter,
     classify,
+    classify_response,
     event_json,
     fingerprint_member,
     usage_counts,
@@ -123,7 +128,7 @@ class RequestContext:
 
 
 class Relay(Response):
-    """The ASGI response that serves one generation request end to end."""
+    """The ASGI response that serves one relayed request end to end."""
 
     def __init__(self, deps: RelayDeps, ctx: RequestContext) -> None:
         # Response.__init__ is not called: this response writes its own status and headers.
@@ -145,6 +150,8 @@ class Relay(Response):
         self._task: asyncio.Task[None] | None = None
         self._cut = False
         self._ended = False
+        # Tokenizer-only requests use no engine: never queued, and nothing is learnt from them.
+        self._engine = ctx.request.endpoint.cost is not Cost.NONE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request, cancelling the worker request if the client disconnects.
@@ -209,7 +216,11 @@ class Relay(Response):
         """
         deps, ticket = self._deps, self._ctx.ticket
         try:
-            lease, self._queued_s = await deps.admission.admit(ticket)
+            if self._engine:
+                lease, self._queued_s = await deps.admission.admit(ticket)
+            else:
+                choice = deps.router.choose(ticket.model, 0.0, ticket.affinity)
+                lease = deps.admission.lease(choice, ticket)
         except GatewayError as error:
             await self._fail(send, error, None)
             return
@@ -255,10 +266,15 @@ class Relay(Response):
 
     def _release(self, lease: Lease) -> None:
         now = self._timer.clock()
-        if lease.release(now):
-            self._deps.admission.completed(
+        if not lease.release(now):
+            return
+        admission = self._deps.admission
+        if self._engine:
+            admission.completed(
                 self._tier, now - lease.dispatched, *lease.decoded(now, self._timer.output_events)
             )
+        else:
+            admission.poke()  # its slot is free; its hold says nothing of the tier's demand
 
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
         ticket = self._ctx.ticket
@@ -275,6 +291,8 @@ class Relay(Response):
             return
         deps, worker = self._deps, lease.worker
         deps.pool.report_success(worker)
+        if not self._engine:
+            return  # the tokenizer's answer: no prefill to learn from
         ttft = at - lease.dispatched
         worker.latency.observe_ttft(lease.choice.prefill_work, ttft)
         worker.recent_ttft.observe(ttft)
@@ -310,6 +328,9 @@ class Relay(Response):
         # The worker was asked for a usage chunk the client did not ask for; vLLM then also
         # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
         restore = not keep_usage
+        # The Responses API ends with a typed event that carries the usage, not with [DONE].
+        responses = request.endpoint.events is Events.RESPONSES
+        kind_of = classify_response if responses else classify
         splitter = EventSplitter()
         worker = lease.worker
         done = False
@@ -340,7 +361,7 @@ class Relay(Response):
                     out: list[bytes] = []
                     outputs = 0
                     for event in events:
-                        kind = classify(event)
+                        kind = kind_of(event)
                         if kind is EventKind.OUTPUT:
                             if last_received is None:
                                 self._first_output(lease, received)
@@ -359,8 +380,11 @@ class Relay(Response):
                                 continue
                         elif kind is EventKind.DONE:
                             done = True
+                            if responses:
+                                self._tokens = usage_counts(event_json(event)) or self._tokens
                         elif kind is EventKind.ERROR:
                             self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
+                            done = done or responses  # response.failed ends its stream
                         if restore and FINISH in event:
                             member = worker.fingerprint
                             if member is not None:
@@ -399,7 +423,8 @@ class Relay(Response):
                     await self._relay(send, held, held_outputs)
                 if not done:
                     raise UpstreamInvalidResponse(
-                        f"Worker {worker.label} closed the stream before [DONE]."
+                        f"Worker {worker.label} closed the stream before its end "
+                        f"({'response.completed' if responses else '[DONE]'})."
                     )
                 await self._end_body(send, b"")
         except TimeoutError as exc:
@@ -435,8 +460,8 @@ class Relay(Response):
         deps = self._deps
         lease.dispatched = self._timer.dispatch()
         return worker_response(
-            deps.client, deps.slots, lease.worker, self._request.endpoint.path,
-            self._upstream_body, self._request_id,
+            deps.client, deps.slots, lease.worker, self._request.path, self._upstream_body,
+            self._request_id,
         )  # fmt: skip
 
     async def _unary_once(self, send: Send, lease: Lease) -> None:
@@ -459,22 +484,27 @@ class Relay(Response):
                 f"Worker {worker.label} broke off the response: {type(exc).__name__}."
             ) from exc
         received = timer.clock()
-        try:
-            payload: Any = json.loads(raw)
-        except ValueError as exc:
-            raise UpstreamInvalidResponse(
-                f"Worker {worker.label} sent a response that is not JSON."
-            ) from exc
+        payload: Any = None
+        # A transcription may be asked for as text (srt, vtt): the worker then says so.
+        if b"json" in content_type or not self._request.endpoint.form:
+            try:
+                payload = json.loads(raw)
+            except ValueError as exc:
+                raise UpstreamInvalidResponse(
+                    f"Worker {worker.label} sent a response that is not JSON."
+                ) from exc
         self._first_output(lease, received)
         self._tokens = usage_counts(payload)
-        worker.fingerprint = fingerprint_member(payload)
+        if self._request.endpoint.chunks:
+            worker.fingerprint = fingerprint_member(payload)
         await self._start(send, status, [(b"content-type", content_type)])
         await self._end_body(send, raw)
         self._end = timer.clock()  # handed to the socket: when the client can have it
 
     @functools.cached_property
-    def _upstream_body(self) -> bytes:
-        return self._request.upstream_body()
+    def _upstream_body(self) -> bytes | Upload:
+        upload = self._request.upload
+        return upload if upload is not None else self._request.upstream_body()
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True

@@ -1,7 +1,13 @@
-"""HTTP routes: thin handlers that hand each request to the serving layer."""
+"""HTTP routes: thin handlers that hand each request to the serving layer.
+
+Every endpoint relayed by model (:data:`app.protocol.ENDPOINT_PATHS`: generation, embeddings,
+score, rerank, pooling, tokenizer, transcriptions, with vLLM's aliases) is one handler made by
+:func:`_relayed`; what differs between them is their :class:`~app.protocol.Endpoint`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,33 +17,43 @@ from starlette.responses import Response
 
 from app.admission import Ticket
 from app.arrival import arrival
-from app.body import read_body
+from app.body import read_body, read_form
 from app.errors import GatewayError
-from app.protocol import Endpoint, ParsedRequest, parse_request
+from app.protocol import (
+    ENDPOINT_PATHS,
+    Cost,
+    Endpoint,
+    ParsedRequest,
+    endpoint_fields,
+    parse_form,
+    parse_request,
+)
 from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
 from app.trace import ABORT_KEY, FLOW_KEY, request_trace
+from app.upstream import worker_get
 
 # Handlers read the state with get_state rather than through Depends: FastAPI's dependency
 # solving per request cost more than the rest of the handler.
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(request: Request) -> Response:
-    """Relay a chat completion, streamed or not."""
-    return await _generate(request, get_state(request), Endpoint.CHAT)
+def _relayed(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    async def relay(request: Request) -> Response:
+        return await _relay(request, get_state(request), endpoint)
+
+    relay.__name__ = f"relay_{endpoint.value}"
+    relay.__doc__ = f"Relay a {endpoint.value} request to a worker serving its model."
+    return relay
 
 
-@router.post("/v1/completions", response_model=None)
-async def completions(request: Request) -> Response:
-    """Relay a text completion, streamed or not."""
-    return await _generate(request, get_state(request), Endpoint.COMPLETIONS)
+for _path, _endpoint in ENDPOINT_PATHS.items():
+    router.add_api_route(_path, _relayed(_endpoint), methods=["POST"], response_model=None)
 
 
-async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
+async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
     timer = RequestTimer(state.clock, arrival(request, state.clock))
     trace = request_trace(request.scope)
     request_id = trace.request_id
@@ -48,14 +64,20 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
             request.headers.get("authorization"), request.headers.get(state.settings.tier_header)
         )
         tier = identity.tier.name
-        raw = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout_s)
-        parsed = parse_request(endpoint, raw)
+        parsed = await _parse(request, state, endpoint)
         if not parsed.model:
             parsed.model = state.router.default_model()
         model = parsed.model
         state.router.candidates(model)  # unknown model: 404 now, before any waiting
-        own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
-        charged = own_tokens + float(parsed.max_tokens or 0) * parsed.n
+        # What the request costs the engine: its prompt's prefill, then (generation only) up to
+        # max_tokens of decode; the tokenizer's answers cost none.
+        cost = endpoint.cost
+        own_tokens = 0.0
+        if cost is not Cost.NONE:
+            own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
+        charged = own_tokens
+        if cost is Cost.DECODE:
+            charged += float(parsed.max_tokens or 0) * parsed.n
         state.auth.acquire(identity, charged)
     except GatewayError as exc:
         summary = timer.summary(None)
@@ -83,6 +105,33 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
     )  # fmt: skip
     trace.recorded = True  # the relay records it, however it ends
     return Relay(state.relay_deps, ctx)
+
+
+async def _parse(request: Request, state: GatewayState, endpoint: Endpoint) -> ParsedRequest:
+    settings, path = state.settings, request.url.path
+    if endpoint.form:
+        wanted = frozenset(endpoint_fields(endpoint).model_fields)
+        upload, fields = await read_form(
+            request, settings.max_body_bytes, settings.body_timeout_s, wanted
+        )
+        return parse_form(endpoint, fields, upload, path)
+    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    return parse_request(endpoint, raw, path)
+
+
+@router.get("/version", response_model=None)
+async def version(request: Request) -> Response:
+    """The workers' vLLM version, as the first healthy worker answers ``/version``."""
+    state = get_state(request)
+    now = state.pool.now()
+    healthy = [worker for worker in state.pool.workers.values() if worker.healthy(now)]
+    try:
+        answer = await worker_get(
+            state.client, healthy, "/version", state.settings.connect_timeout_s
+        )
+    except GatewayError as exc:
+        return error_response(exc)
+    return Response(answer.content, media_type=answer.headers.get("content-type"))
 
 
 @router.get("/v1/models")

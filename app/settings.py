@@ -349,6 +349,12 @@ class Settings(BaseSettings):
         "60 s TTFT target and a minute of decoding; keep Kubernetes' "
         "terminationGracePeriodSeconds above drain + grace.",
     )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Browser origins allowed to call the API (CORS), as a JSON list or "
+        "comma-separated, e.g. https://chat.example.com; `*` allows any. Empty: CORS is off "
+        "and browsers' preflights get 405.",
+    )
     access_log: bool = Field(default=True, description="One log line per finished request.")
     log_level: str = Field(default="info", description="Python logging level.")
 
@@ -356,6 +362,16 @@ class Settings(BaseSettings):
     @classmethod
     def _workers(cls, value: Any) -> Any:
         return _parse_workers(value)
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _cors_origins(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
 
     @field_validator("ttft_buckets", "itl_buckets", "tpot_buckets", "e2e_buckets", "queue_buckets")
     @classmethod

@@ -21,6 +21,11 @@ _OUTPUT = re.compile(
 _EMPTY_CHOICES = re.compile(rb'"choices":\s*\[\s*\]')
 _ERROR = re.compile(rb'^data:\s*\{\s*"error"|"object":\s*"error"')
 _DONE = re.compile(rb"^data:\s*\[DONE\]")
+# The Responses API's events: only ``response.*.delta`` events have a ``delta``, and one that
+# is a non-empty string carries output (text, reasoning, a function call's arguments, ...).
+_RESPONSE_OUTPUT = re.compile(rb'"delta":\s*"[^"]')
+_RESPONSE_END = re.compile(rb'"type":\s*"response\.(?:completed|incomplete)"')
+_RESPONSE_ERROR = re.compile(rb'"type":\s*"(?:response\.failed|error)"')
 
 
 class EventKind(IntEnum):
@@ -47,6 +52,22 @@ def classify(event: bytes) -> EventKind:
     if b'"usage"' in event and _EMPTY_CHOICES.search(event) is not None:
         return EventKind.USAGE
     if _ERROR.search(event) is not None:
+        return EventKind.ERROR
+    return EventKind.OTHER
+
+
+def classify_response(event: bytes) -> EventKind:
+    """Classify one whole event of a Responses API stream by scanning its bytes.
+
+    ``response.completed`` and ``response.incomplete`` (``max_output_tokens`` reached) end the
+    stream and carry its usage: they are :attr:`EventKind.DONE`. ``response.failed`` and
+    ``error`` are :attr:`EventKind.ERROR`.
+    """
+    if _RESPONSE_OUTPUT.search(event) is not None:
+        return EventKind.OUTPUT
+    if _RESPONSE_END.search(event) is not None:
+        return EventKind.DONE
+    if _RESPONSE_ERROR.search(event) is not None:
         return EventKind.ERROR
     return EventKind.OTHER
 
@@ -102,13 +123,22 @@ def with_fingerprint(event: bytes, member: bytes) -> bytes:
 
 
 def usage_counts(payload: Any) -> tuple[int, int] | None:
-    """``(prompt_tokens, completion_tokens)`` from a decoded response or chunk."""
+    """``(prompt_tokens, completion_tokens)`` from a decoded response, chunk or event.
+
+    Reads chat and completions' ``prompt_tokens``/``completion_tokens``, the Responses API's
+    ``input_tokens``/``output_tokens`` (also inside a ``response.completed`` event's
+    ``response``), and a prefill-only answer's ``prompt_tokens`` alone (rerank sends no
+    ``completion_tokens``: none were generated).
+    """
     if not isinstance(payload, dict):
         return None
     usage = payload.get("usage")
+    if usage is None and isinstance(payload.get("response"), dict):
+        usage = payload["response"].get("usage")
     if not isinstance(usage, dict):
         return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
     return prompt, completion

@@ -5,12 +5,13 @@ A pure ASGI middleware (nothing is buffered). Each request gets one id: the clie
 (:func:`request_trace`) for the routes and the relay, which send it to the worker and log it,
 and it is on every response.
 
-Generation requests (``POST`` to the two generation paths) are recorded by :mod:`app.record`,
-from the route or the relay, and their sends pass through untouched: nothing is added per
-streamed event. Every other response is recorded here, once, with the status actually sent:
-other routes, unknown paths, 404/405, a request on a connection over the server's cap (answered
-here), and a 500 raised before a generation request reached its route's recording. Refusals made
-before a request has a scope (431, 408 on its headers) are recorded by :mod:`app.server`.
+Requests relayed by model (``POST`` to a path of :data:`app.protocol.ENDPOINT_PATHS`) are
+recorded by :mod:`app.record`, from the route or the relay, and their sends pass through
+untouched: nothing is added per streamed event. Every other response is recorded here, once,
+with the status actually sent: other routes (CORS preflights included), unknown paths,
+404/405, a request on a connection over the server's cap (answered here), and a 500 raised
+before a relayed request reached its route's recording. Refusals made before a request has a
+scope (431, 408 on its headers) are recorded by :mod:`app.server`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import GatewayError, GatewaySaturated, InternalError
 from app.outcome import Outcome
+from app.protocol import ENDPOINT_PATHS
 from app.state import STATE_KEY, GatewayState
 
 log = logging.getLogger(__name__)
@@ -40,11 +42,11 @@ OVER_CAPACITY_KEY = "gateway.over_capacity"
 CLIENT_CONNECTIONS = "client_connections"
 """The ``resource`` of ``gateway_saturated_total`` for the server's connection cap."""
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+RELAYED_PATHS = frozenset(ENDPOINT_PATHS)
 _ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
+    **{path: endpoint.value for path, endpoint in ENDPOINT_PATHS.items()},
     "/v1/models": "models",
+    "/version": "version",
     "/healthz": "healthz",
     "/readyz": "readyz",
     "/metrics": "metrics",
@@ -129,12 +131,12 @@ class TraceMiddleware:
         path = scope["path"]
         if scope.get(OVER_CAPACITY_KEY):
             await self._over_capacity(send, trace, state, path)
-        elif scope["method"] == "POST" and path in GENERATION_PATHS:
-            await self._generation(scope, receive, send, trace, state)
+        elif scope["method"] == "POST" and path in RELAYED_PATHS:
+            await self._relayed(scope, receive, send, trace, state)
         else:
             await self._other(scope, receive, send, trace, state)
 
-    async def _generation(
+    async def _relayed(
         self, scope: Scope, receive: Receive, send: Send, trace: RequestTrace,
         state: GatewayState | None,
     ) -> None:  # fmt: skip

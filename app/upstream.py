@@ -34,6 +34,7 @@ from app.errors import (
     UpstreamUnavailable,
 )
 from app.metrics import UPSTREAM_CONNECTIONS, GatewayMetrics
+from app.protocol import Upload
 from app.settings import Settings
 from app.workers import Worker, worker_headers
 
@@ -213,13 +214,15 @@ async def worker_response(
     slots: UpstreamSlots,
     worker: Worker,
     path: str,
-    body: bytes,
+    body: bytes | Upload,
     request_id: str,
 ) -> AsyncIterator[httpx.Response]:
     """Send a request to ``worker``; yield its response once the status line arrived.
 
-    The body is not read (the caller streams it); the response is closed, and its slot given
-    back, when the block ends. A worker's 4xx is raised as :class:`UpstreamClientError`
+    ``body`` is JSON, or an upload sent chunk by chunk as the client's bytes were kept (with
+    their ``content-type``, whose boundary the form needs). The response's body is not read
+    (the caller streams it); the response is closed, and its slot given back, when the block
+    ends. A worker's 4xx is raised as :class:`UpstreamClientError`
     carrying the worker's own message; a 5xx, a broken connection or a response that is not
     OpenAI-shaped as the matching :class:`UpstreamError`; the gateway's own connection budget
     spent as :class:`GatewaySaturated`.
@@ -240,14 +243,20 @@ async def _send(
     slots: UpstreamSlots,
     worker: Worker,
     path: str,
-    body: bytes,
+    body: bytes | Upload,
     request_id: str,
 ) -> httpx.Response:
+    headers = worker_headers(worker.spec, request_id)
+    content: bytes | AsyncIterator[bytes]
+    if isinstance(body, Upload):
+        headers["content-type"] = body.content_type
+        # With the length given, the upload is sent as it came, not chunk-encoded.
+        headers["content-length"] = str(body.size)
+        content = _chunks_of(body)
+    else:
+        content = body
     request = client.build_request(
-        "POST",
-        _url(worker.spec.base_url, path),
-        content=body,
-        headers=worker_headers(worker.spec, request_id),
+        "POST", _url(worker.spec.base_url, path), content=content, headers=headers
     )
     try:
         response = await client.send(request, stream=True)
@@ -274,6 +283,33 @@ async def _send(
         raise await _status_error(worker, response)
     finally:
         await response.aclose()
+
+
+async def _chunks_of(upload: Upload) -> AsyncIterator[bytes]:
+    for chunk in upload.chunks:
+        yield chunk
+
+
+async def worker_get(
+    client: httpx.AsyncClient, workers: list[Worker], path: str, timeout_s: float
+) -> httpx.Response:
+    """``GET path`` from the first of ``workers`` that answers it with 200 (e.g. ``/version``).
+
+    Raises :class:`UpstreamUnavailable` when none does.
+    """
+    for worker in workers:
+        spec = worker.spec
+        headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        try:
+            response = await client.get(
+                f"{spec.base_url}{path}", headers=headers, timeout=timeout_s
+            )
+        except httpx.HTTPError as exc:
+            log.warning("GET %s from worker %s failed: %s", path, worker.label, exc)
+            continue
+        if response.status_code == 200:
+            return response
+    raise UpstreamUnavailable(f"No worker answered {path}.")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -357,5 +393,5 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
 
 __all__ = [
     "UpstreamError", "UpstreamSlots", "connection_budget", "error_object", "make_client",
-    "worker_response",
+    "worker_get", "worker_response",
 ]  # fmt: skip

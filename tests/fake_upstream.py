@@ -53,9 +53,12 @@ DONE = b"data: [DONE]\n\n"
 class FakeWorker:
     """A worker whose generation endpoint runs ``handler``; it also serves ``/v1/models``."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, cards: list[dict[str, Any]] | None = None) -> None:
         self.handler = handler
+        self.cards = cards
         self.requests: list[dict[str, Any]] = []
+        self.received: list[tuple[str, bytes]] = []
+        """Every request's path and exact body bytes, in order."""
         self.cancelled = asyncio.Event()
         self.healthy = True
         self.running = 0
@@ -67,9 +70,12 @@ class FakeWorker:
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/v1/models":
             card = {"id": MODEL, "object": "model", "root": MODEL, "max_model_len": 1024}
-            return httpx.Response(200, json={"object": "list", "data": [card]})
+            cards = [card] if self.cards is None else self.cards
+            return httpx.Response(200, json={"object": "list", "data": cards})
         if request.url.path == "/health":
             return httpx.Response(200)
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
         if request.url.path == "/metrics":
             page = (
                 "# TYPE vllm:num_requests_running gauge\n"
@@ -78,7 +84,10 @@ class FakeWorker:
                 f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
             )
             return httpx.Response(200, text=page)
-        body = json.loads(await request.aread())
+        raw = await request.aread()
+        self.received.append((request.url.path, raw))
+        content_type = request.headers.get("content-type", "")
+        body = json.loads(raw) if content_type.startswith("application/json") else {}
         self.requests.append(body)
         try:
             return await self.handler(request, body)

@@ -79,10 +79,10 @@ async def test_every_response_is_logged_and_counted_once_with_the_status_sent(
                                   content=held())  # fmt: skip
         return await _ok(request, body)
 
-    def failing_parse(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+    def failing_parse(endpoint: Endpoint, raw: bytes, path: str | None = None) -> ParsedRequest:
         if b'"boom"' in raw:
             raise RuntimeError("a bug before the relay")
-        return parse_request(endpoint, raw)
+        return parse_request(endpoint, raw, path)
 
     monkeypatch.setattr("app.routes.parse_request", failing_parse)
     spec = {"sha256": hashlib.sha256(KEY.encode()).hexdigest(), "max_concurrency": 1}
