@@ -71,7 +71,9 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         identity.tier,
         model,
         own_tokens,
-        _affinity_key(request, parsed, state.settings.affinity_header),
+        state.router.affinity(
+            _affinity_key(request, parsed, state.settings.affinity_header), parsed
+        ),
         timer.arrival,
     )
     ctx = RequestContext(parsed, timer, request_id, identity, ticket, charged)

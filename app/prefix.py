@@ -1,0 +1,158 @@
+"""An approximate index of the prompt prefixes each worker has recently been sent.
+
+A vLLM worker keeps the KV cache of the prompts it has served and skips the prefill of any
+prefix it still holds. The ``prefix_aware`` routing policy (:mod:`app.routing`) estimates, for
+each worker, how much of a request's prompt that worker has recently seen, from what this
+gateway routed there; no worker is asked.
+
+A prompt is read as text (:func:`prompt_text`): for chat, each message's role and text in
+order; for completions, the prompt. The text is cut into blocks of :data:`BLOCK_CHARS`
+characters, and each block's hash is chained to all the blocks before it
+(:func:`prompt_prefix`), so one hash stands for a whole prefix and two prompts share a block
+hash only where they share everything up to the end of that block. The last, partial block
+is left out.
+
+Each worker's :class:`PrefixIndex` holds the block hashes of prompts routed to it, least
+recently used first. A prompt's blocks are touched from its last to its first, so a prefix is
+always at least as recent as anything that extends it: eviction trims chains from their tails,
+the blocks held are always whole prefixes, and the longest match is found by binary search
+(a handful of lookups for any prompt length).
+
+Nothing here tokenizes. Matched characters become tokens at the request's own ratio of
+estimated prompt tokens to characters.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from typing import Any, Final
+
+from app.protocol import Endpoint, ParsedRequest
+
+BLOCK_CHARS: Final = 256
+"""Characters per block, about 50-80 tokens: fine enough that a match misses at most a block of
+a prefix thousands of tokens long, coarse enough that a 16,000-character prompt costs only 62
+hashes (vLLM's own cache blocks are 16 tokens on GPUs, 128 on CPUs)."""
+
+_KEY_BYTES: Final = sys.getsizeof(1 << 62)
+"""Memory of one block hash (an int object of 64 bits); the index holds one per entry."""
+
+ENTRY_BYTES: Final = 150
+"""Memory of one entry (hash, ordered-dict slot and link node), measured with tracemalloc:
+141 bytes at 100,000 entries. Used to turn the memory cap into a number of entries."""
+
+
+class PromptPrefix:
+    """A prompt cut into chained block hashes, and its length in characters."""
+
+    __slots__ = ("blocks", "chars")
+
+    def __init__(self, blocks: list[int], chars: int) -> None:
+        self.blocks = blocks
+        """Hash of each whole block, chained to every block before it."""
+        self.chars = chars
+        """Characters of the prompt's text (the partial last block included)."""
+
+
+def prompt_text(endpoint: Endpoint, body: dict[str, Any]) -> str:
+    """The text a worker's prompt is made of, in order, as far as it can be read cheaply.
+
+    Chat: the names of the tools (chat templates put their schemas first), then each
+    message's role and text. The text stops at the first part that is not text (an image,
+    audio): what follows it cannot be compared without reading that part. Completions: the
+    prompt, or the first of a list of prompts; token-id prompts give no text.
+    """
+    if endpoint is Endpoint.COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else ""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    parts: list[str] = []
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        parts.append("\x02tools")
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            parts.append(f"\x1f{name}" if isinstance(name, str) else "\x1f?")
+    for message in messages:
+        if not isinstance(message, dict):
+            break
+        role = message.get("role")
+        # Separators no client types keep "ab" + "c" apart from "a" + "bc".
+        parts.append(f"\x1e{role}\x1f" if isinstance(role, str) else "\x1e?\x1f")
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if not isinstance(text, str):
+                    return "".join(parts)
+                parts.append(text)
+        elif content is not None:
+            break
+    return "".join(parts)
+
+
+def prompt_prefix(request: ParsedRequest) -> PromptPrefix:
+    """The request's prompt as chained block hashes, seeded with its model.
+
+    Hashes are Python's own (randomised per process): the index lives in this process only.
+    """
+    text = prompt_text(request.endpoint, request.body)
+    end = len(text) - BLOCK_CHARS + 1
+    h = hash(request.model)
+    blocks = [h := hash((h, text[i : i + BLOCK_CHARS])) for i in range(0, end, BLOCK_CHARS)]
+    return PromptPrefix(blocks, len(text))
+
+
+class PrefixIndex:
+    """The block hashes of prompts recently routed to one worker, least recently used first."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, blocks: list[int]) -> int:
+        """How many leading ``blocks`` the index holds: the longest prefix seen here.
+
+        Binary search: the index holds whole prefixes only (see the module's docstring).
+        """
+        held = self._blocks
+        lo, hi = 0, len(blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks[mid - 1] in held:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def add(self, blocks: list[int], cap: int) -> None:
+        """Mark ``blocks`` as just seen; drop the least recently seen beyond ``cap`` entries."""
+        held = self._blocks
+        touch = held.move_to_end
+        for block in reversed(blocks):
+            try:
+                touch(block)
+            except KeyError:
+                held[block] = None
+        while len(held) > cap:
+            held.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget everything (the worker restarted: its cache is empty)."""
+        self._blocks.clear()
+
+    def nbytes(self) -> int:
+        """Memory held by the index: its table and its keys."""
+        return sys.getsizeof(self._blocks) + len(self._blocks) * _KEY_BYTES
