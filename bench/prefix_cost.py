@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from app.metrics import GatewayMetrics
-from app.protocol import Endpoint, ParsedRequest, parse_request
+from app.protocol import Endpoint, parse_request
 from app.routing import Affinity, Choice, Router
 from app.settings import Settings
 from app.workers import WorkerPool
@@ -102,12 +102,17 @@ def measure(chars: int, workers: int, requests: int, rounds: int, seed: int) -> 
         aware.choose(MODEL, own_tokens, aware.affinity(None, other))
     half = parse_request(Endpoint.CHAT, chat_body(chars // 2, random.Random(seed), system))
     aware.choose(MODEL, own_tokens, aware.affinity(None, half))
-    fresh: list[ParsedRequest] = [
-        parse_request(Endpoint.CHAT, chat_body(chars, rng, prompt_text(1200, rng)))
-        for _ in range(requests)
+    # A prompt sharing nothing for every request of every round (only the keys are kept).
+    keys_fresh = [
+        [
+            aware.affinity(
+                None, parse_request(Endpoint.CHAT, chat_body(chars, rng, prompt_text(1200, rng)))
+            )
+            for _ in range(requests)
+        ]
+        for _ in range(rounds)
     ]
     key_same = aware.affinity(None, same)
-    keys_fresh = [aware.affinity(None, p) for p in fresh]
     assert isinstance(key_same, Affinity)
     blocks = len(key_same.prefix.blocks)
 
@@ -115,13 +120,13 @@ def measure(chars: int, workers: int, requests: int, rounds: int, seed: int) -> 
         k: [] for k in ("prefix", "choose_ttft", "choose_same", "choose_new")
     }
     ttft = routers["predicted_ttft"]
-    for _ in range(rounds):
+    for round_ in range(rounds):
         samples["prefix"].append(_cpu_us(lambda: aware.affinity(None, same), requests))
         samples["choose_ttft"].append(_cpu_us(lambda: ttft.choose(MODEL, own_tokens), requests))
         samples["choose_same"].append(
             _cpu_us(lambda: aware.choose(MODEL, own_tokens, key_same), requests)
         )
-        fresh_keys = iter(keys_fresh)
+        fresh_keys = iter(keys_fresh[round_])
 
         def choose_new(keys: Iterator[str | None] = fresh_keys) -> Choice:
             return aware.choose(MODEL, own_tokens, next(keys))
@@ -170,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--chars", type=int, default=16_000, help="prompt text, characters")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--requests", type=int, default=2000, help="requests per round")
+    parser.add_argument("--requests", type=int, default=1000, help="requests per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)

@@ -220,7 +220,7 @@ def test_the_index_is_capped_in_memory_drops_the_least_recent_and_keeps_whole_pr
         router.choose(MODEL, _tokens(request), _key(router, request), frozenset({"b:2"}))
         assert len(a.prefixes) <= 35
         # Blocks go tail first: what is left of the first prompt is always a whole prefix.
-        held = sum(block in a.prefixes._blocks for block in first.prefix.blocks)
+        held = sum(block in a.prefixes for block in first.prefix.blocks)
         assert a.prefixes.match(first.prefix.blocks) == held
     assert a.prefixes.match(first.prefix.blocks) == 0
     # The most recent prompt is held from its start.
@@ -228,6 +228,21 @@ def test_the_index_is_capped_in_memory_drops_the_least_recent_and_keeps_whole_pr
     # The memory is exported, and stays under the cap.
     pool.export()
     assert 0 < _sample(pool, "gateway_prefix_index_bytes") <= 0.01 * 2**20
+
+
+def test_a_prompt_used_within_the_last_third_of_the_cap_is_kept() -> None:
+    index = PrefixIndex()
+    prompts = [[seed * 100 + i for i in range(4)] for seed in range(1, 6)]
+    for blocks in prompts[:3]:  # 12 blocks: the young generation (a third of 30) is full
+        index.add(blocks, cap=30)
+    # The first two are old now, not gone; refreshing one keeps it through the next turnover.
+    assert all(index.match(blocks) == 4 for blocks in prompts[:3])
+    index.add(prompts[0], cap=30)
+    for blocks in prompts[3:]:
+        index.add(blocks, cap=30)
+    assert index.match(prompts[0]) == 4
+    assert index.match(prompts[1]) == 0
+    assert len(index) <= 30
 
 
 def test_the_index_holds_no_more_than_the_workers_kv_cache() -> None:
