@@ -112,10 +112,10 @@ def prompt_prefix(request: ParsedRequest) -> PromptPrefix:
 class PrefixIndex:
     """The block hashes of prompts recently routed to one worker, in generations.
 
-    New and refreshed blocks go into the young generation; when it is full (a third of the
-    cap), it becomes the old one, and the old one is dropped. What was used in the last third
-    of the cap's insertions survives, what was not is forgotten: least recently used first, at
-    the grain of a generation, for the price of one dict store per block (an ordered dict's
+    New and refreshed blocks go into the young generation; when it is full (half the cap), it
+    becomes the old one, and the old one is dropped. What was used within the last half-cap of
+    insertions is always remembered, up to a cap's worth: least recently used first, at the
+    grain of a generation, for the price of one dict store per block (an ordered dict's
     per-entry bookkeeping cost four times as much). A prompt's blocks always go in together,
     so the index holds whole prefixes only and the longest match is found by binary search.
     """
@@ -151,14 +151,16 @@ class PrefixIndex:
         return lo
 
     def add(self, blocks: list[int], cap: int) -> None:
-        """Mark ``blocks`` as just seen, holding at most ``cap`` entries in all.
+        """Mark ``blocks`` as just seen, remembering at most ``cap`` blocks.
 
-        Of a prompt longer than a third of the cap, its first third-of-the-cap blocks are kept.
+        The memory held is at most one and a half times the cap's worth (the dropped generation
+        until it is freed). Of a prompt longer than half the cap, its first half-cap blocks are
+        kept.
         """
-        third = max(1, cap // 3)
-        blocks = blocks[:third]
+        half = max(1, cap // 2)
+        blocks = blocks[:half]
         young = self._young
-        if len(young) + len(blocks) > third:
+        if len(young) + len(blocks) > half:
             self._dropped = self._old
             self._old = young
             self._young = young = {}

@@ -41,6 +41,13 @@ from app.workers import Worker, WorkerPool
 
 # Stale load signals make a worker rank this much slower, so fresh workers win.
 _STALE_PENALTY_S = 5.0
+# prefix_aware: a worker running this many more requests than the least loaded one, and this
+# many times as many, gets no credit for its cache (as SGLang's router's balance thresholds).
+# Each request there is predicted fine on its own (a cached prefill is short), but a hot
+# prefix would pile every request onto the worker that first had it, slowing its decoding
+# while another sits idle; the idle one then pays the prefix's prefill once and shares it.
+_BALANCE_ABS = 4.0
+_BALANCE_REL = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +166,12 @@ class Router:
             worker = min(pair, key=lambda w: w.in_flight)
         else:
             prefix = affinity_key.prefix if isinstance(affinity_key, Affinity) else None
+            crowded = self._crowded(workers) if prefix is not None else ()
             scored = []
             for w in workers:
-                cached = 0.0 if prefix is None else self.cached_tokens(w, prefix, own_tokens)
+                cached = 0.0
+                if prefix is not None and w not in crowded:
+                    cached = self.cached_tokens(w, prefix, own_tokens)
                 scored.append((self.rank(w, own_tokens - cached), self._rng.random(), w, cached))
             best_ttft, _, worker, cached = min(scored, key=lambda item: (item[0], item[1]))
             if affinity_key:
@@ -177,6 +187,17 @@ class Router:
             worker = _rendezvous(affinity_key, workers)
         predicted, work = self.predict(worker, own_tokens)
         return Choice(worker, predicted, work)
+
+    def _crowded(self, workers: list[Worker]) -> list[Worker]:
+        """Workers running far more requests than the least loaded one (no cache credit)."""
+        now, max_age = self._pool.now(), self._settings.load_max_age_s
+        loads = [w.in_flight + w.others(now, max_age) for w in workers]
+        least = min(loads)
+        return [
+            w
+            for w, load in zip(workers, loads, strict=True)
+            if load - least > _BALANCE_ABS and load > _BALANCE_REL * least
+        ]
 
     def cached_tokens(self, worker: Worker, prefix: PromptPrefix, own_tokens: float) -> float:
         """Of a prompt of ``own_tokens``, the tokens ``worker`` is expected to have cached.
@@ -202,10 +223,12 @@ class Router:
     ) -> None:
         """``worker`` will hold this prompt's prefix: index it, count the predicted hit.
 
-        The memory cap is shared by every worker; a worker's share is also held to what its
-        KV cache can keep (``cache_config_info``), beyond which it has evicted the oldest.
+        The memory cap is shared by every worker (an index holds up to one and a half times
+        the blocks it remembers); a worker's share is also held to what its KV cache can keep
+        (``cache_config_info``), beyond which it has evicted the oldest itself.
         """
-        cap = int(self._settings.prefix_index_mb * 2**20 / ENTRY_BYTES / len(self._pool.workers))
+        entries = self._settings.prefix_index_mb * 2**20 / ENTRY_BYTES
+        cap = int(entries / 1.5 / len(self._pool.workers))
         sample = worker.load
         if sample is not None and sample.kv_tokens and prefix.chars:
             tokens_per_block = own_tokens * BLOCK_CHARS / prefix.chars
