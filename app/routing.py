@@ -169,10 +169,11 @@ class Router:
             crowded = self._crowded(workers) if prefix is not None else ()
             scored = []
             for w in workers:
-                cached = 0.0
-                if prefix is not None and w not in crowded:
-                    cached = self.cached_tokens(w, prefix, own_tokens)
-                scored.append((self.rank(w, own_tokens - cached), self._rng.random(), w, cached))
+                cached = 0.0 if prefix is None else self.cached_tokens(w, prefix, own_tokens)
+                # A crowded worker's cache does not count for the choice; if it is chosen all
+                # the same, what it is expected to find cached does (prediction, lease).
+                credit = 0.0 if w in crowded else cached
+                scored.append((self.rank(w, own_tokens - credit), self._rng.random(), w, cached))
             best_ttft, _, worker, cached = min(scored, key=lambda item: (item[0], item[1]))
             if affinity_key:
                 pinned = _rendezvous(affinity_key, workers)
@@ -225,7 +226,9 @@ class Router:
 
         The memory cap is shared by every worker (an index holds up to one and a half times
         the blocks it remembers); a worker's share is also held to what its KV cache can keep
-        (``cache_config_info``), beyond which it has evicted the oldest itself.
+        (``cache_config_info``), beyond which it has evicted the oldest itself. An index
+        remembers between half and all of its cap, so the KV-derived cap is a third over the
+        cache: on average the index remembers as much as the cache holds.
         """
         entries = self._settings.prefix_index_mb * 2**20 / ENTRY_BYTES
         cap = int(entries / 1.5 / len(self._pool.workers))
@@ -233,7 +236,7 @@ class Router:
         if sample is not None and sample.kv_tokens and prefix.chars:
             tokens_per_block = own_tokens * BLOCK_CHARS / prefix.chars
             if tokens_per_block > 0:
-                cap = min(cap, int(sample.kv_tokens / tokens_per_block))
+                cap = min(cap, int(sample.kv_tokens * 4 / 3 / tokens_per_block))
         worker.prefixes.add(prefix.blocks, max(1, cap))
         if self._metrics is not None:
             self._metrics.worker_prefix_queries.labels(worker.label).inc(own_tokens)
