@@ -175,10 +175,18 @@ class Router:
                 credit = 0.0 if w in crowded else cached
                 scored.append((self.rank(w, own_tokens - credit), self._rng.random(), w, cached))
             best_ttft, _, worker, cached = min(scored, key=lambda item: (item[0], item[1]))
+            slack = self._settings.affinity_slack_s
+            if prefix is not None and prefix.blocks and not any(s[3] for s in scored):
+                # A prefix no worker holds goes where the least is held (of the workers nearly
+                # as fast): new prefixes spread over the caches instead of all filling the one
+                # that happens to look fastest (as SGLang's router gives unmatched requests to
+                # its smallest tree).
+                near = [s for s in scored if s[0] <= best_ttft + slack]
+                _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
             if affinity_key:
                 pinned = _rendezvous(affinity_key, workers)
                 pinned_ttft, _, _, pinned_cached = next(s for s in scored if s[2] is pinned)
-                if pinned_ttft <= best_ttft + self._settings.affinity_slack_s:
+                if pinned_ttft <= best_ttft + slack:
                     worker, cached = pinned, pinned_cached
             if prefix is not None:
                 self._remember(worker, prefix, own_tokens, cached)

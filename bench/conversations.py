@@ -101,6 +101,8 @@ async def converse(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    # The request id names the user and turn in the gateway's access log.
+    headers = {"x-request-id": f"{user.name}.turn-{turn}", **headers}
     sent = time.perf_counter()
     outcome = Outcome(tag=f"{user.name}/{turn}", sent=sent)
     answer: list[str] = []

@@ -207,6 +207,22 @@ def test_a_hot_prefix_does_not_pile_onto_the_worker_that_first_had_it() -> None:
     assert router.choose(MODEL, _tokens(request), key).worker is b
 
 
+def test_new_prefixes_go_to_the_worker_holding_the_least_unless_it_is_much_slower() -> None:
+    pool, router = _fleet(affinity_slack_s=0.25)
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    # A new prefix (held nowhere) goes to whichever holds less, alternating as they fill...
+    for seed in range(10):
+        request = _chat(f"user {seed}", system=_words(300, 200 + seed))
+        _route(router, request)
+        # Never more than one prompt's blocks apart.
+        assert abs(len(a.prefixes) - len(b.prefixes)) <= len(_key(router, request).prefix.blocks)
+    # ...within the slack: a much slower worker does not get it for its empty cache.
+    b.prefixes.clear()
+    b.prefill_tokens_ahead = 5000  # about a second of prefill ahead at the default speed
+    request = _chat("user x", system=_words(300, 300))
+    assert _route(router, request) is a
+
+
 def test_a_worker_holding_the_prefix_is_never_chosen_when_it_is_not_healthy() -> None:
     pool, router = _fleet()
     a, b = pool.workers["a:1"], pool.workers["b:2"]
