@@ -59,13 +59,16 @@ def prompt_text(endpoint: Endpoint, body: dict[str, Any]) -> str:
     Chat: the names of the tools (chat templates put their schemas first), then each
     message's role and text. The text stops at the first part that is not text (an image,
     audio): what follows it cannot be compared without reading that part. Completions: the
-    prompt, or the first of a list of prompts; token-id prompts give no text.
+    prompt, or the first of a list of prompts; token-id prompts give no text. Any other
+    endpoint: none.
     """
     if endpoint is Endpoint.COMPLETIONS:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt:
             prompt = prompt[0]
         return prompt if isinstance(prompt, str) else ""
+    if endpoint is not Endpoint.CHAT:
+        return ""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return ""

@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from app import prefix as index
 from app.metrics import GatewayMetrics
 from app.protocol import Endpoint, parse_request
 from app.routing import Affinity, Choice, Router
@@ -117,10 +118,13 @@ def measure(chars: int, workers: int, requests: int, rounds: int, seed: int) -> 
     blocks = len(key_same.prefix.blocks)
 
     samples: dict[str, list[float]] = {
-        k: [] for k in ("prefix", "choose_ttft", "choose_same", "choose_new")
+        k: [] for k in ("text", "prefix", "choose_ttft", "choose_same", "choose_new")
     }
     ttft = routers["predicted_ttft"]
     for round_ in range(rounds):
+        samples["text"].append(
+            _cpu_us(lambda: index.prompt_text(Endpoint.CHAT, same.body), requests)
+        )
         samples["prefix"].append(_cpu_us(lambda: aware.affinity(None, same), requests))
         samples["choose_ttft"].append(_cpu_us(lambda: ttft.choose(MODEL, own_tokens), requests))
         samples["choose_same"].append(
@@ -141,6 +145,7 @@ def measure(chars: int, workers: int, requests: int, rounds: int, seed: int) -> 
         "prompt_chars": key_same.prefix.chars,
         "blocks": blocks,
         "workers": workers,
+        "text_us": median["text"],
         "prefix_us": median["prefix"],
         "choose_ttft_us": median["choose_ttft"],
         "choose_same_us": median["choose_same"],
@@ -155,14 +160,16 @@ def measure(chars: int, workers: int, requests: int, rounds: int, seed: int) -> 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| workers | prompt chars | blocks | prefix (text + hashes) µs | choose, predicted_ttft µs "
+        "| workers | prompt chars | blocks | text µs | prefix (text + hashes) µs "
+        "| choose, predicted_ttft µs "
         "| choose, prefix_aware, same prompt µs | choose, prefix_aware, new prompt µs "
         "| added per request µs (same / new) | index entries | index MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['workers']} | {r['prompt_chars']:,} | {r['blocks']} | {r['prefix_us']:.1f} "
+            f"| {r['workers']} | {r['prompt_chars']:,} | {r['blocks']} | {r['text_us']:.1f} "
+            f"| {r['prefix_us']:.1f} "
             f"| {r['choose_ttft_us']:.1f} | {r['choose_same_us']:.1f} | {r['choose_new_us']:.1f} "
             f"| {r['added_same_us']:.1f} / {r['added_new_us']:.1f} | {r['index_entries']:,} "
             f"| {r['index_bytes'] / 2**20:.1f} |"
