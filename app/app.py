@@ -64,7 +64,7 @@ def create_app(
         auth.log_mode()
         client = make_client(settings, transport)
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
-        router = Router(settings, pool)
+        router = Router(settings, pool, metrics=metrics)
         limits = Limits(settings, metrics)
         admission = AdmissionController(settings, router, limits, metrics, clock)
         goodput = GoodputTracker(metrics, settings.tiers, clock)

@@ -26,7 +26,8 @@ class Lease:
         self.choice = choice
         self.worker = worker = choice.worker
         self.tier = tier
-        self.own_tokens = own_tokens
+        # What the worker must prefill: the prompt less what its prefix cache should hold.
+        self.own_tokens = own_tokens = max(0.0, own_tokens - choice.cached_tokens)
         self.dispatched = now
         """When the request left for the worker (the relay moves it to the actual send)."""
         self.first: float | None = None

@@ -41,6 +41,12 @@ class LoadSample:
     kv_tokens: float | None = None
     """Tokens the worker's KV cache holds (``cache_config_info``'s ``kv_cache_size_tokens``, or
     ``num_gpu_blocks`` x ``block_size``); None when not exported."""
+    block_size: float | None = None
+    """Tokens per KV-cache block (``cache_config_info``'s ``block_size``): the worker's prefix
+    cache reuses whole blocks only. None when not exported."""
+    prefix_caching: bool = True
+    """False when the worker says its prefix caching is off (``cache_config_info``'s
+    ``enable_prefix_caching``): then it reuses no prefix, whatever it was sent before."""
 
 
 def parse_load(text: str, at: float) -> LoadSample:
@@ -49,6 +55,8 @@ def parse_load(text: str, at: float) -> LoadSample:
     running = waiting = kv = 0.0
     capacity: float | None = None
     kv_tokens: float | None = None
+    block_size: float | None = None
+    prefix_caching = True
     found = False
     for family in text_string_to_metric_families(wanted + "\n"):
         for sample in family.samples:
@@ -64,9 +72,12 @@ def parse_load(text: str, at: float) -> LoadSample:
                 kv = max(kv, sample.value)
             elif sample.name == _CACHE_CONFIG:
                 kv_tokens = _add(kv_tokens, _kv_tokens(sample.labels))
+                block_size = _number(sample.labels.get("block_size")) or block_size
+                if sample.labels.get("enable_prefix_caching") == "False":
+                    prefix_caching = False
     if not found:
         raise ValueError(f"no {_RUNNING} on the page: not a vLLM worker?")
-    return LoadSample(running, waiting, kv, at, capacity, kv_tokens)
+    return LoadSample(running, waiting, kv, at, capacity, kv_tokens, block_size, prefix_caching)
 
 
 def _kv_tokens(labels: dict[str, str]) -> float | None:
@@ -79,6 +90,15 @@ def _kv_tokens(labels: dict[str, str]) -> float | None:
         return float(labels["num_gpu_blocks"]) * float(labels["block_size"])
     except (KeyError, ValueError):
         return None
+
+
+def _number(text: str | None) -> float | None:
+    """A positive label value as a number; None when absent or not one."""
+    try:
+        value = float(text) if text is not None else 0.0
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def _add(total: float | None, value: float | None) -> float | None:

@@ -288,6 +288,28 @@ class GatewayMetrics:
             "Learnt TPOT model: how much each running sequence adds to a decode step.",
             by_worker, registry=reg,
         )  # fmt: skip
+        self.worker_prefix_queries = Counter(
+            "gateway_worker_prefix_query_tokens",
+            "Estimated prompt tokens routed to the worker by the prefix_aware policy.",
+            by_worker, registry=reg,
+        )  # fmt: skip
+        self.worker_prefix_hits = Counter(
+            "gateway_worker_predicted_prefix_hit_tokens",
+            "Of those, the tokens prefix_aware routing predicted the worker had cached: over "
+            "gateway_worker_prefix_query_tokens, the predicted prefix-cache hit rate.",
+            by_worker, registry=reg,
+        )  # fmt: skip
+        self.worker_prefix_blocks = Gauge(
+            "gateway_worker_prefix_index_blocks",
+            "Blocks of recent prompts the prefix_aware index remembers for the worker.",
+            by_worker, registry=reg,
+        )  # fmt: skip
+        self.prefix_index_bytes = Gauge(
+            "gateway_prefix_index_bytes",
+            "Memory held by the prefix_aware index of all workers (capped by "
+            "GATEWAY_PREFIX_INDEX_MB).",
+            registry=reg,
+        )
         by_tier_only = ["tier"]
         self.admission_decisions = Counter(
             "gateway_admission_decisions",
@@ -367,6 +389,7 @@ class GatewayMetrics:
             self.worker_peak_flops,
             self.worker_concurrency_limit, self.worker_decode_pace, self.worker_prefill_limit,
             self.worker_prefill_rate, self.worker_decode_step, self.worker_decode_per_sequence,
+            self.worker_prefix_queries, self.worker_prefix_hits, self.worker_prefix_blocks,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}
         self._tiers = tuple(tier.name for tier in settings.tiers)

@@ -95,7 +95,9 @@ async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> R
         identity.tier,
         model,
         own_tokens,
-        _affinity_key(request, parsed, state.settings.affinity_header),
+        state.router.affinity(
+            _affinity_key(request, parsed, state.settings.affinity_header), parsed
+        ),
         timer.arrival,
     )
     scope = request.scope

@@ -8,12 +8,21 @@ Policies (``GATEWAY_ROUTING``):
   count as busy: they rank behind every fresh worker by ``_STALE_PENALTY_S``. The prediction
   handed to admission leaves the penalty out (it rests on the gateway's own exact counts), so a
   worker whose /metrics cannot be read is still used, not treated as never able to meet an SLO.
+* ``prefix_aware``: the same prediction, less the prefill each worker is expected to skip
+  because its prefix cache still holds the start of this prompt: the tokens of the longest
+  prefix this gateway has recently routed there (:mod:`app.prefix`), over the worker's learnt
+  prefill speed. A worker holding the prefix wins while the prefill it saves exceeds the
+  extra wait in its queue; a hot prefix behind a long queue goes to an idle worker, which
+  then holds it too.
 * ``least_outstanding``: power of two choices on the gateway's in-flight count.
 * ``round_robin``: for comparison.
 
 With affinity (a session header or the ``user`` field), a session sticks to one worker, whose
 prefix cache then holds its conversation, unless that worker is predicted to be slower than the
 best one by more than ``affinity_slack_s``.
+
+The request's affinity key reaches :meth:`Router.choose` through admission unchanged; under
+``prefix_aware`` it is an :class:`Affinity`, a string that also carries the prompt's prefix.
 """
 
 from __future__ import annotations
@@ -24,11 +33,21 @@ import random
 from dataclasses import dataclass
 
 from app.errors import InvalidRequest, ModelNotFound, UpstreamUnavailable
+from app.metrics import GatewayMetrics
+from app.prefix import BLOCK_CHARS, ENTRY_BYTES, PromptPrefix, prompt_prefix
+from app.protocol import ParsedRequest
 from app.settings import Settings
 from app.workers import Worker, WorkerPool
 
 # Stale load signals make a worker rank this much slower, so fresh workers win.
 _STALE_PENALTY_S = 5.0
+# prefix_aware: a worker running this many more requests than the least loaded one, and this
+# many times as many, gets no credit for its cache (as SGLang's router's balance thresholds).
+# Each request there is predicted fine on its own (a cached prefill is short), but a hot
+# prefix would pile every request onto the worker that first had it, slowing its decoding
+# while another sits idle; the idle one then pays the prefix's prefill once and shares it.
+_BALANCE_ABS = 4.0
+_BALANCE_REL = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,16 +57,50 @@ class Choice:
     worker: Worker
     predicted_ttft_s: float
     prefill_work: float
+    cached_tokens: float = 0.0
+    """Prompt tokens the worker is expected to find in its prefix cache (``prefix_aware``)."""
+
+
+class Affinity(str):
+    """A request's affinity key that also carries its prompt's prefix (``prefix_aware``).
+
+    The string is the session key, empty when the request has none; it travels through
+    admission's ticket to :meth:`Router.choose` like any affinity key.
+    """
+
+    prefix: PromptPrefix
+
+    def __new__(cls, session: str, prefix: PromptPrefix) -> Affinity:
+        """The key ``session`` (may be empty) with the prompt's ``prefix``."""
+        key = super().__new__(cls, session)
+        key.prefix = prefix
+        return key
 
 
 class Router:
     """Chooses a healthy worker for each request according to the configured policy."""
 
-    def __init__(self, settings: Settings, pool: WorkerPool, rng: random.Random | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        pool: WorkerPool,
+        rng: random.Random | None = None,
+        metrics: GatewayMetrics | None = None,
+    ):
         self._settings = settings
         self._pool = pool
         self._rng = rng or random.Random()
         self._turn = itertools.count()
+        self._metrics = metrics
+
+    def affinity(self, session: str | None, request: ParsedRequest) -> str | None:
+        """The key to route ``request`` by: its ``session``, with its prompt's prefix if needed.
+
+        The prefix is read only under ``prefix_aware``; other policies get ``session`` as is.
+        """
+        if self._settings.routing != "prefix_aware":
+            return session
+        return Affinity(session or "", prompt_prefix(request))
 
     def default_model(self) -> str:
         """The model of a request that names none: the only model the workers serve.
@@ -130,19 +183,90 @@ class Router:
             pair = workers if len(workers) < 3 else self._rng.sample(workers, 2)
             worker = min(pair, key=lambda w: w.in_flight)
         else:
-            scored = [(self.rank(w, own_tokens), self._rng.random(), w) for w in workers]
-            best_ttft, _, worker = min(scored, key=lambda item: (item[0], item[1]))
+            prefix = affinity_key.prefix if isinstance(affinity_key, Affinity) else None
+            crowded = self._crowded(workers) if prefix is not None else ()
+            scored = []
+            for w in workers:
+                cached = 0.0 if prefix is None else self.cached_tokens(w, prefix, own_tokens)
+                # A crowded worker's cache does not count for the choice; if it is chosen all
+                # the same, what it is expected to find cached does (prediction, lease).
+                credit = 0.0 if w in crowded else cached
+                scored.append((self.rank(w, own_tokens - credit), self._rng.random(), w, cached))
+            best_ttft, _, worker, cached = min(scored, key=lambda item: (item[0], item[1]))
+            slack = self._settings.affinity_slack_s
+            if prefix is not None and prefix.blocks and not any(s[3] for s in scored):
+                # A prefix no worker holds goes where the least is held (of the workers nearly
+                # as fast): new prefixes spread over the caches instead of all filling the one
+                # that happens to look fastest (as SGLang's router gives unmatched requests to
+                # its smallest tree).
+                near = [s for s in scored if s[0] <= best_ttft + slack]
+                _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
             if affinity_key:
                 pinned = _rendezvous(affinity_key, workers)
-                pinned_ttft = next(t for t, _, w in scored if w is pinned)
-                if pinned_ttft <= best_ttft + self._settings.affinity_slack_s:
-                    worker = pinned
-            predicted, work = self.predict(worker, own_tokens)
-            return Choice(worker, predicted, work)
+                pinned_ttft, _, _, pinned_cached = next(s for s in scored if s[2] is pinned)
+                if pinned_ttft <= best_ttft + slack:
+                    worker, cached = pinned, pinned_cached
+            if prefix is not None:
+                self._remember(worker, prefix, own_tokens, cached)
+            predicted, work = self.predict(worker, own_tokens - cached)
+            return Choice(worker, predicted, work, cached)
         if affinity_key:
             worker = _rendezvous(affinity_key, workers)
         predicted, work = self.predict(worker, own_tokens)
         return Choice(worker, predicted, work)
+
+    def _crowded(self, workers: list[Worker]) -> list[Worker]:
+        """Workers running far more requests than the least loaded one (no cache credit)."""
+        now, max_age = self._pool.now(), self._settings.load_max_age_s
+        loads = [w.in_flight + w.others(now, max_age) for w in workers]
+        least = min(loads)
+        return [
+            w
+            for w, load in zip(workers, loads, strict=True)
+            if load - least > _BALANCE_ABS and load > _BALANCE_REL * least
+        ]
+
+    def cached_tokens(self, worker: Worker, prefix: PromptPrefix, own_tokens: float) -> float:
+        """Of a prompt of ``own_tokens``, the tokens ``worker`` is expected to have cached.
+
+        The longest prefix recently routed there, in tokens at this prompt's own ratio of
+        tokens to characters, rounded down to whole KV-cache blocks of the worker (it reuses
+        nothing smaller); none if the worker says its prefix caching is off.
+        """
+        matched = worker.prefixes.match(prefix.blocks)
+        if not matched:
+            return 0.0
+        tokens = own_tokens * min(1.0, matched * BLOCK_CHARS / prefix.chars)
+        sample = worker.load
+        if sample is not None:
+            if not sample.prefix_caching:
+                return 0.0
+            if sample.block_size:
+                tokens -= tokens % sample.block_size
+        return tokens
+
+    def _remember(
+        self, worker: Worker, prefix: PromptPrefix, own_tokens: float, cached: float
+    ) -> None:
+        """``worker`` will hold this prompt's prefix: index it, count the predicted hit.
+
+        The memory cap is shared by every worker (an index holds up to one and a half times
+        the blocks it remembers); a worker's share is also held to what its KV cache can keep
+        (``cache_config_info``), beyond which it has evicted the oldest itself. An index
+        remembers between half and all of its cap, so the KV-derived cap is a third over the
+        cache: on average the index remembers as much as the cache holds.
+        """
+        entries = self._settings.prefix_index_mb * 2**20 / ENTRY_BYTES
+        cap = int(entries / 1.5 / len(self._pool.workers))
+        sample = worker.load
+        if sample is not None and sample.kv_tokens and prefix.chars:
+            tokens_per_block = own_tokens * BLOCK_CHARS / prefix.chars
+            if tokens_per_block > 0:
+                cap = min(cap, int(sample.kv_tokens * 4 / 3 / tokens_per_block))
+        worker.prefixes.add(prefix.blocks, max(1, cap))
+        if self._metrics is not None:
+            self._metrics.worker_prefix_queries.labels(worker.label).inc(own_tokens)
+            self._metrics.worker_prefix_hits.labels(worker.label).inc(cached)
 
 
 def _rendezvous(key: str, workers: list[Worker]) -> Worker:

@@ -170,8 +170,17 @@ class Settings(BaseSettings):
         default=None,
         description="host:port of a headless Service; every address it resolves to is a worker.",
     )
-    routing: Literal["predicted_ttft", "least_outstanding", "round_robin"] = Field(
-        default="predicted_ttft", description="How a worker is chosen among the healthy ones."
+    routing: Literal["predicted_ttft", "prefix_aware", "least_outstanding", "round_robin"] = Field(
+        default="predicted_ttft",
+        description="How a worker is chosen among the healthy ones: `predicted_ttft`, "
+        "`prefix_aware` (also counts the prompt prefix each worker likely has cached), "
+        "`least_outstanding` or `round_robin`.",
+    )
+    prefix_index_mb: float = Field(
+        default=32.0,
+        gt=0,
+        description="Memory cap (MiB, all workers together) of prefix_aware's index of the "
+        "prompts recently routed to each worker; the least recently used are dropped first.",
     )
     affinity_header: str | None = Field(
         default="x-session-id",
@@ -181,7 +190,9 @@ class Settings(BaseSettings):
     affinity_slack_s: float = Field(
         default=0.25,
         ge=0,
-        description="Keep the pinned worker unless its predicted TTFT is this much worse.",
+        description="Keep the pinned worker unless its predicted TTFT is this much worse; "
+        "prefix_aware also sends a prefix no worker holds to the worker holding the fewest "
+        "prefixes among those predicted within this of the fastest.",
     )
     load_interval_s: float = Field(
         default=0.5, gt=0, description="How often each worker's /metrics is scraped."

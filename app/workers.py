@@ -27,6 +27,7 @@ from app.limiter import ConcurrencyLimit, DecodePace
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import OTHER_MODEL, GatewayMetrics
 from app.predictor import LatencyModel, RecentQuantile, WorkerLoad
+from app.prefix import PrefixIndex
 from app.settings import Settings, WorkerSpec
 from app.timing import Clock
 
@@ -80,6 +81,8 @@ class Worker:
         """``in_flight`` when ``load`` was read: the rest of what it counted is others'."""
         self.fingerprint: bytes | None = None
         """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
+        self.prefixes = PrefixIndex()
+        """Prompt prefixes recently routed here (``prefix_aware`` routing)."""
         self._busy: set[str] = set()
         self._occupancy = 0.0
         self._occupancy_at = 0.0
@@ -204,6 +207,8 @@ class WorkerPool:
             self._metrics.worker_failovers,
             self._metrics.worker_routed,
             self._metrics.worker_completion_tokens,
+            self._metrics.worker_prefix_queries,
+            self._metrics.worker_prefix_hits,
         ):
             counter.labels(worker.label)
         for model in worker.models:
@@ -278,7 +283,10 @@ class WorkerPool:
         self._metrics.set_load_age(now)
         self._metrics.workers_known.set(len(self.workers))
         self._metrics.workers_healthy.set(sum(1 for w in self.workers.values() if w.healthy(now)))
+        index_bytes = 0
         for worker in self.workers.values():
+            index_bytes += worker.prefixes.nbytes()
+            self._metrics.worker_prefix_blocks.labels(worker.label).set(len(worker.prefixes))
             hardware = worker.spec.hardware or self.settings.hardware
             if hardware is not None:
                 self._metrics.set_hardware(worker.label, hardware)
@@ -286,6 +294,7 @@ class WorkerPool:
                 # Sequences are on average half-way through their answers.
                 context = max(1.0, worker.context_tokens / 2)
                 self._metrics.set_roofline(worker.label, hardware, load.running, context)
+        self._metrics.prefix_index_bytes.set(index_bytes)
 
     def record_tokens(self, worker: Worker, prompt: int, completion: int) -> None:
         """Learn a worker's typical context length from a finished request's usage."""
@@ -394,6 +403,8 @@ class WorkerPool:
     def _set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:
         if up and not worker.up:
             log.info("worker %s is up, serving %s", worker.label, sorted(worker.models))
+            # Back from being unreachable, perhaps restarted: its prefix cache may be empty.
+            worker.prefixes.clear()
         elif not up and (worker.up or worker.last_seen is None):
             log.warning("worker %s is not answering: %s", worker.label, _describe(error))
         worker.up = up

@@ -63,15 +63,26 @@ def prompt_text(words: int, rng: random.Random) -> str:
     return " ".join(_WORDS[(start + i) % len(_WORDS)] for i in range(words))
 
 
-def bench_worker(port: int, cpus: str | None = None) -> VllmWorker:
-    """A worker serving ``bench-llama`` with the tiny model's tokenizer."""
+def bench_worker(
+    port: int, cpus: str | None = None, *, dev_mode: bool = False, kv_blocks: int | None = None
+) -> VllmWorker:
+    """A worker serving ``bench-llama`` with the tiny model's tokenizer.
+
+    ``dev_mode`` turns on vLLM's development endpoints (``POST /reset_prefix_cache``), so that
+    a benchmark can start each run with an empty prefix cache. ``kv_blocks`` sets the size of
+    the KV cache in blocks of 128 tokens (default: 1 GiB, 1,024 blocks).
+    """
+    extra = ["--tokenizer", str(MODEL_DIR)]
+    if kv_blocks is not None:
+        extra += ["--num-gpu-blocks-override", str(kv_blocks)]
     return VllmWorker(
         port=port,
         model_name=BENCH_MODEL,
         model_dir=BENCH_MODEL_DIR,
         max_model_len=2048,
         cpus=cpus,
-        extra_args=["--tokenizer", str(MODEL_DIR)],
+        extra_args=extra,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"} if dev_mode else None,
     )
 
 

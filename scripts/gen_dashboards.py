@@ -1099,6 +1099,7 @@ def workers() -> Json:
             width=24,
             height=6,
         ),
+        *prefix_cache_panels(),
     ]
     return dashboard(
         "goodput-gateway-workers",
@@ -1111,6 +1112,76 @@ def workers() -> Json:
         ],
         panels,
     )
+
+
+def prefix_cache_panels() -> list[Json]:
+    """Workers dashboard, its own row: the router's predicted prefix-cache hits beside vLLM's."""
+
+    def hit_rate(hits: str, queries: str, matchers: str) -> str:
+        return (
+            f"sum by (worker) (rate({hits}{{{matchers}}}[{RATE}])) / "
+            f"(sum by (worker) (rate({queries}{{{matchers}}}[{RATE}])) > 0)"
+        )
+
+    return [
+        row("Prefix cache"),
+        panel(
+            "timeseries",
+            "Prefix-cache hit rate: predicted vs vLLM",
+            "Share of prompt tokens found in the worker's prefix cache: as prefix_aware routing "
+            "predicted it when it chose the worker (gateway_worker_predicted_prefix_hit_tokens "
+            "over gateway_worker_prefix_query_tokens, summed over gateway replicas), and as the "
+            "worker counted it (vllm:prefix_cache_hits over vllm:prefix_cache_queries, all "
+            "clients). Predicted well above vLLM's: the index remembers prefixes the worker has "
+            "evicted, or another client fills its cache; well below: traffic from elsewhere "
+            "(other replicas, other tenants) warms the cache. Empty for the gateway under other "
+            "policies.",
+            refs(
+                [
+                    (
+                        hit_rate(
+                            "gateway_worker_predicted_prefix_hit_tokens_total",
+                            "gateway_worker_prefix_query_tokens_total",
+                            W,
+                        ),
+                        "predicted {{worker}}",
+                    ),
+                    (
+                        hit_rate(
+                            "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", VW
+                        ),
+                        "vLLM {{worker}}",
+                    ),
+                ]
+            ),
+            unit="percentunit",
+            maximum=1,
+            width=16,
+        ),
+        panel(
+            "timeseries",
+            "Prefix index memory",
+            "Memory of prefix_aware routing's index of recent prompts, per gateway replica "
+            "(capped by GATEWAY_PREFIX_INDEX_MB), and the blocks of 256 characters it remembers "
+            "per worker (also held to what the worker's KV cache can keep).",
+            refs(
+                [
+                    ("sum by (instance) (gateway_prefix_index_bytes)", "bytes {{instance}}"),
+                    (
+                        f"sum by (worker) (gateway_worker_prefix_index_blocks{{{W}}})",
+                        "blocks {{worker}}",
+                    ),
+                ]
+            ),
+            width=8,
+            overrides=[
+                {
+                    "matcher": {"id": "byRegexp", "options": "^bytes .*"},
+                    "properties": [{"id": "unit", "value": "bytes"}],
+                }
+            ],
+        ),
+    ]
 
 
 def build() -> dict[str, Json]:

@@ -34,6 +34,8 @@ def live_gateway_url(
         "GATEWAY_PORT": str(port),
         "GATEWAY_WORKERS": vllm_worker_url,
         "GATEWAY_ACCESS_LOG": "false",
+        # The Workers dashboard's predicted prefix-cache hit rate needs prefix-aware routing.
+        "GATEWAY_ROUTING": "prefix_aware",
         # Roofline figures, so the Workers dashboard's bandwidth panels have data.
         "GATEWAY_HARDWARE": json.dumps(TINY_LLAMA_HARDWARE),
         # Fewer slots than the load's concurrency, so some requests wait in the admission queue

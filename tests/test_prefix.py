@@ -1,0 +1,340 @@
+"""Prefix-aware routing: the prompt's text, the per-worker index, and the choice it drives."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.lease import Lease
+from app.loadsignals import LoadSample, parse_load
+from app.metrics import GatewayMetrics
+from app.prefix import BLOCK_CHARS, PrefixIndex, prompt_text
+from app.protocol import Endpoint, ParsedRequest, parse_request
+from app.routing import Affinity, Router
+from app.workers import Worker, WorkerPool
+from tests.fake_upstream import MODEL
+from tests.servers import settings_for
+from tests.test_pool import FakeClock, FakeResolver
+
+SAMPLES = Path(__file__).parent / "data" / "vllm_samples"
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
+
+
+def _words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+SYSTEM = _words(700, 1)  # ~4,200 characters: a shared system prompt
+
+
+def _chat(*turns: str, system: str = SYSTEM, **extra: Any) -> ParsedRequest:
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    body = {"model": MODEL, "messages": messages, **extra}
+    return parse_request(Endpoint.CHAT, json.dumps(body).encode())
+
+
+def _fleet(
+    workers: str = "http://a:1,http://b:2", **overrides: object
+) -> tuple[WorkerPool, Router]:
+    clock = FakeClock()
+    settings = settings_for(workers, routing="prefix_aware", **overrides)
+    metrics = GatewayMetrics(settings)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    pool = WorkerPool(settings, client, metrics, clock, FakeResolver())
+    for worker in pool.workers.values():
+        worker.up = True
+        worker.models = {MODEL}
+        worker.cards = {MODEL: {"id": MODEL}}
+        # Fresh load figures: idle, a CPU worker's 128-token cache blocks.
+        worker.load = LoadSample(0, 0, 0.0, clock.now, 0, 131072, 128)
+    return pool, Router(settings, pool, random.Random(3), metrics)
+
+
+def _sample(pool: WorkerPool, name: str, **labels: str) -> float:
+    value = pool._metrics.registry.get_sample_value(name, labels)
+    assert value is not None
+    return value
+
+
+def _key(router: Router, request: ParsedRequest, session: str | None = None) -> Affinity:
+    key = router.affinity(session, request)
+    assert isinstance(key, Affinity)
+    return key
+
+
+def _tokens(request: ParsedRequest) -> float:
+    return request.size / 4.0
+
+
+def _route(router: Router, request: ParsedRequest, session: str | None = None) -> Worker:
+    return router.choose(MODEL, _tokens(request), _key(router, request, session)).worker
+
+
+def test_the_prompt_text_is_the_messages_in_order_and_stops_at_what_it_cannot_read() -> None:
+    chat = _chat("hello", "hi there", "how are you")
+    text = prompt_text(Endpoint.CHAT, chat.body)
+    assert text.index(SYSTEM) < text.index("hello") < text.index("hi there")
+    assert text.index("how are you") > text.index("hi there")
+    # An earlier turn's prompt is a prefix of the next turn's: the conversation grows at the end.
+    assert text.startswith(prompt_text(Endpoint.CHAT, _chat("hello").body))
+    # Roles count: the same words from another role are another prompt.
+    other = {"model": MODEL, "messages": [{"role": "user", "content": SYSTEM}]}
+    assert not text.startswith(prompt_text(Endpoint.CHAT, other))
+    # Text parts are read; an image stops the text there (what follows is not comparable).
+    parts = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "look:"}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            {"role": "user", "content": "after the image"},
+        ],
+    }
+    assert "look:" in prompt_text(Endpoint.CHAT, parts)
+    assert "after the image" not in prompt_text(Endpoint.CHAT, parts)
+    # Tools come first in chat templates: their names are part of the prefix.
+    with_tools = _chat("hello", tools=[{"type": "function", "function": {"name": "get_weather"}}])
+    assert prompt_text(Endpoint.CHAT, with_tools.body).index("get_weather") < len(SYSTEM) // 2
+    # Completions: the prompt, or the first of several; token ids give nothing to read.
+    assert prompt_text(Endpoint.COMPLETIONS, {"prompt": "abc"}) == "abc"
+    assert prompt_text(Endpoint.COMPLETIONS, {"prompt": ["abc", "def"]}) == "abc"
+    assert prompt_text(Endpoint.COMPLETIONS, {"prompt": [1, 2, 3]}) == ""
+    assert prompt_text(Endpoint.CHAT, {"messages": "not a list"}) == ""
+
+
+def test_the_index_finds_the_longest_shared_prefix() -> None:
+    _, router = _fleet()
+    first = _key(router, _chat("the first user asks about " + _words(300, 2)))
+    index = PrefixIndex()
+    index.add(first.prefix.blocks, cap=10_000)
+    assert index.match(first.prefix.blocks) == len(first.prefix.blocks)
+    # Another user with the same system prompt: shares the whole blocks of the system prompt.
+    second = _key(router, _chat("a second user asks about " + _words(300, 3)))
+    shared_chars = len(prompt_text(Endpoint.CHAT, _chat().body))
+    assert index.match(second.prefix.blocks) == shared_chars // BLOCK_CHARS
+    # The first user's next turn: the whole of the first prompt is a prefix of it.
+    follow_up = _chat("the first user asks about " + _words(300, 2), "an answer", "and then?")
+    assert index.match(_key(router, follow_up).prefix.blocks) == len(first.prefix.blocks)
+    # A prompt that differs in its first block shares nothing, even with the same tail.
+    assert index.match(_key(router, _chat(system="x" + SYSTEM[1:])).prefix.blocks) == 0
+    # Another model's identical prompt is another prefix (a worker may serve several).
+    other_model = {**follow_up.body, "model": "other-model"}
+    other = parse_request(Endpoint.CHAT, json.dumps(other_model).encode())
+    assert index.match(_key(router, other).prefix.blocks) == 0
+
+
+def test_requests_sharing_a_prefix_go_where_it_was_sent_and_the_hit_is_predicted() -> None:
+    pool, router = _fleet()
+    first = _chat("user one: " + _words(60, 4))
+    home = _route(router, first)
+    # Other users of the same system prompt, with no session id, follow it there...
+    for seed in range(5, 15):
+        request = _chat(f"user {seed}: " + _words(60, seed))
+        choice = router.choose(MODEL, _tokens(request), _key(router, request))
+        assert choice.worker is home
+        # ...predicted to find the system prompt's whole cache blocks there (128 tokens each).
+        assert choice.cached_tokens > 0.6 * _tokens(request)
+        assert choice.cached_tokens % 128 == 0
+        # The prefill the worker is charged with is what is left.
+        lease = Lease(choice, "standard", _tokens(request), 0.0, pool._metrics)
+        assert home.prefill_tokens_ahead == _tokens(request) - choice.cached_tokens
+        lease.first_output(0.1)
+        lease.release(0.2)
+    assert home.prefill_tokens_ahead == 0
+    # The predicted hits are counted per worker, beside the prompt tokens routed there.
+    hits = _sample(pool, "gateway_worker_predicted_prefix_hit_tokens_total", worker=home.label)
+    queries = _sample(pool, "gateway_worker_prefix_query_tokens_total", worker=home.label)
+    assert 0.5 * queries < hits < queries
+
+
+def test_a_worker_with_the_prefix_but_a_long_queue_loses_to_an_idle_one() -> None:
+    pool, router = _fleet()
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    request = _chat("a question: " + _words(40, 9))
+    key = _key(router, request)
+    own = _tokens(request)
+    a.prefixes.add(key.prefix.blocks, 10_000)
+    saved = router.cached_tokens(a, key.prefix, own)
+    assert saved > 0.8 * own
+    # A short queue on A costs less than the prefill A saves: A wins.
+    a.prefill_tokens_ahead = 0.5 * saved
+    assert router.choose(MODEL, own, key).worker is a
+    # A queue longer than the saved prefill: the idle worker wins, and now holds it too.
+    a.prefill_tokens_ahead = 1.5 * saved
+    assert router.choose(MODEL, own, key).worker is b
+    assert b.prefixes.match(key.prefix.blocks) == len(key.prefix.blocks)
+    # Requests queued inside the worker (other replicas' traffic) count as a queue as well.
+    a.prefill_tokens_ahead = 0
+    b.prefill_tokens_ahead = 0
+    b.prefixes.clear()
+    assert router.choose(MODEL, own, key).worker is a
+    a.load = LoadSample(2, 40, 0.5, pool.now(), 0, 131072, 128)
+    assert router.choose(MODEL, own, key).worker is b
+
+
+def test_a_hot_prefix_does_not_pile_onto_the_worker_that_first_had_it() -> None:
+    pool, router = _fleet()
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    request = _chat("a question: " + _words(40, 15))
+    key = _key(router, request)
+    a.prefixes.add(key.prefix.blocks, 10_000)
+    # More requests on A than on B, within the balance thresholds: the cache wins.
+    for on_a, on_b in ((4, 0), (5, 1), (10, 6), (11, 6)):
+        a.in_flight, b.in_flight = on_a, on_b
+        assert router.choose(MODEL, _tokens(request), key).worker is a, (on_a, on_b)
+    # Over them (more than 4 more, and more than twice as many): B, which then holds it too.
+    for on_a, on_b in ((5, 0), (7, 1), (13, 6)):
+        b.prefixes.clear()
+        a.in_flight, b.in_flight = on_a, on_b
+        assert router.choose(MODEL, _tokens(request), key).worker is b, (on_a, on_b)
+    # Chosen all the same (B is slower still), A is predicted to find the prefix cached.
+    a.in_flight, b.in_flight = 5, 0
+    b.prefill_tokens_ahead = 10 * _tokens(request)
+    choice = router.choose(MODEL, _tokens(request), key)
+    assert choice.worker is a
+    assert choice.cached_tokens > 0.8 * _tokens(request)
+    b.prefill_tokens_ahead = 0
+    # Other replicas' requests count too (the worker's scraped running, less ours then).
+    b.prefixes.clear()
+    a.in_flight, b.in_flight = 0, 0
+    a.load = LoadSample(8, 0, 0.1, pool.now(), 0, 131072, 128)
+    assert router.choose(MODEL, _tokens(request), key).worker is b
+
+
+def test_new_prefixes_go_to_the_worker_holding_the_least_unless_it_is_much_slower() -> None:
+    pool, router = _fleet(affinity_slack_s=0.25)
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    # A new prefix (held nowhere) goes to whichever holds less, alternating as they fill...
+    for seed in range(10):
+        request = _chat(f"user {seed}", system=_words(300, 200 + seed))
+        _route(router, request)
+        # Never more than one prompt's blocks apart.
+        assert abs(len(a.prefixes) - len(b.prefixes)) <= len(_key(router, request).prefix.blocks)
+    # ...within the slack: a much slower worker does not get it for its empty cache.
+    b.prefixes.clear()
+    b.prefill_tokens_ahead = 5000  # about a second of prefill ahead at the default speed
+    request = _chat("user x", system=_words(300, 300))
+    assert _route(router, request) is a
+
+
+def test_a_worker_holding_the_prefix_is_never_chosen_when_it_is_not_healthy() -> None:
+    pool, router = _fleet()
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    request = _chat("a question: " + _words(40, 10))
+    key = _key(router, request)
+    a.prefixes.add(key.prefix.blocks, 10_000)
+    assert router.choose(MODEL, _tokens(request), key).worker is a
+    unhealthy: list[tuple[str, object, object]] = [
+        ("up", False, True),
+        ("ejected_until", pool.now() + 5, None),
+        ("draining", True, False),
+    ]
+    for attribute, bad, good in unhealthy:
+        setattr(a, attribute, bad)
+        assert {router.choose(MODEL, _tokens(request), key).worker for _ in range(10)} == {b}
+        setattr(a, attribute, good)
+    # Failover excludes it as well.
+    assert router.choose(MODEL, _tokens(request), key, frozenset({"a:1"})).worker is b
+
+
+def test_a_worker_with_prefix_caching_off_is_predicted_no_hit() -> None:
+    pool, router = _fleet()
+    a = pool.workers["a:1"]
+    request = _chat("a question: " + _words(40, 11))
+    key = _key(router, request)
+    a.prefixes.add(key.prefix.blocks, 10_000)
+    assert router.cached_tokens(a, key.prefix, _tokens(request)) > 0
+    a.load = LoadSample(0, 0, 0.0, pool.now(), 0, 131072, 128, prefix_caching=False)
+    assert router.cached_tokens(a, key.prefix, _tokens(request)) == 0
+
+
+def test_the_index_is_capped_in_memory_drops_the_least_recent_and_keeps_whole_prefixes() -> None:
+    # 0.01 MiB over 2 workers: 34 entries remembered each, at most 52 held.
+    pool, router = _fleet(prefix_index_mb=0.01)
+    a = pool.workers["a:1"]
+    first = _key(router, _chat("first: " + _words(200, 12), system=_words(400, 13)))
+    a.prefixes.add(first.prefix.blocks, 34)
+    for seed in range(20, 40):
+        request = _chat(f"other {seed}: " + _words(200, seed), system=_words(400, seed + 100))
+        router.choose(MODEL, _tokens(request), _key(router, request), frozenset({"b:2"}))
+        assert len(a.prefixes) <= 34
+        # Blocks go tail first: what is left of the first prompt is always a whole prefix.
+        held = sum(block in a.prefixes for block in first.prefix.blocks)
+        assert a.prefixes.match(first.prefix.blocks) == held
+    assert a.prefixes.match(first.prefix.blocks) == 0
+    # The most recent prompt is held from its start.
+    assert a.prefixes.match(_key(router, request).prefix.blocks) > 0
+    # The memory is exported, and stays under the cap.
+    pool.export()
+    assert 0 < _sample(pool, "gateway_prefix_index_bytes") <= 0.01 * 2**20
+
+
+def test_a_prompt_used_within_the_last_half_of_the_cap_is_kept() -> None:
+    index = PrefixIndex()
+    prompts = [[seed * 100 + i for i in range(4)] for seed in range(1, 6)]
+    for blocks in prompts[:3]:  # 12 blocks: the young generation (half of 20) is full
+        index.add(blocks, cap=20)
+    # The first two are old now, not gone; refreshing one keeps it through the next turnover.
+    assert all(index.match(blocks) == 4 for blocks in prompts[:3])
+    index.add(prompts[0], cap=20)
+    for blocks in prompts[3:]:
+        index.add(blocks, cap=20)
+    assert index.match(prompts[0]) == 4
+    assert index.match(prompts[1]) == 0
+    assert len(index) <= 20
+
+
+def test_the_index_holds_no_more_than_the_workers_kv_cache() -> None:
+    pool, router = _fleet()
+    a = pool.workers["a:1"]
+    # A worker whose KV cache holds 1,024 tokens: about 16 blocks of 256 characters.
+    a.load = LoadSample(0, 0, 0.0, pool.now(), 0, 1024, 16)
+    for seed in range(30):
+        request = _chat(f"user {seed}: " + _words(100, seed), system=_words(300, seed + 50))
+        router.choose(MODEL, _tokens(request), _key(router, request), frozenset({"b:2"}))
+    # It remembers between half and all of a third more than that, as its generations turn.
+    assert 0 < len(a.prefixes) <= 4 / 3 * 1024 / (BLOCK_CHARS / 4.5)
+    assert len(a.prefixes) >= 0.5 * 4 / 3 * 1024 / (BLOCK_CHARS / 3.5)
+
+
+def test_sessions_still_stick_under_prefix_aware_routing() -> None:
+    _, router = _fleet("http://a:1,http://b:2,http://c:3")
+    # Short prompts (no whole block): the session key alone decides, as with predicted_ttft.
+    short = _chat("hi", system="be brief")
+    assert _key(router, short).prefix.blocks == []
+    for session in ("s-1", "s-2", "s-3", "s-4"):
+        assert len({_route(router, short, session) for _ in range(10)}) == 1
+    assert len({_route(router, short, f"s-{i}") for i in range(30)}) > 1
+
+
+def test_a_restarted_worker_forgets_its_prefixes() -> None:
+    pool, router = _fleet()
+    a = pool.workers["a:1"]
+    request = _chat("a question: " + _words(40, 14))
+    a.prefixes.add(_key(router, request).prefix.blocks, 10_000)
+    pool._set_up(a, False, None)
+    pool._set_up(a, True, None)
+    assert len(a.prefixes) == 0
+
+
+def test_other_policies_read_no_prefix() -> None:
+    pool, _ = _fleet()
+    for policy in ("predicted_ttft", "round_robin", "least_outstanding"):
+        other = Router(settings_for("http://a:1,http://b:2", routing=policy), pool)
+        assert other.affinity("s-1", _chat("x")) == "s-1"
+        assert other.affinity(None, _chat("x")) is None
+
+
+def test_the_cache_config_gives_block_size_and_whether_prefix_caching_is_on() -> None:
+    page = (SAMPLES / "metrics_busy.txt").read_text()
+    sample = parse_load(page, at=1.0)
+    assert sample.block_size == 128
+    assert sample.prefix_caching
+    off = page.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
+    assert not parse_load(off, at=1.0).prefix_caching
