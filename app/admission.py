@@ -43,7 +43,7 @@ from app.lease import Lease
 from app.limits import Limits
 from app.metrics import GatewayMetrics
 from app.outcome import Decision, Reason
-from app.routing import Choice, Router
+from app.routing import Choice, RouteKey, Router
 from app.settings import Settings, TierSpec
 from app.timing import Clock
 from app.workers import Worker
@@ -61,7 +61,7 @@ class Ticket:
     tier: TierSpec
     model: str
     own_tokens: float
-    affinity: str | None
+    route: RouteKey
     arrival: float
     seq: int = 0
     deadline: float = math.inf
@@ -153,7 +153,7 @@ class AdmissionController:
         full = frozenset(w.label for w in candidates if self._full(w, tier, n, now))
         if len(full) == n:
             return None
-        return self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity, full)
+        return self._router.choose(ticket.model, ticket.own_tokens, ticket.route, full)
 
     def _reserving(self, candidates: list[Worker], now: float) -> bool:
         """Whether lower tiers must leave slots free for higher ones on ``candidates`` now.
@@ -193,7 +193,7 @@ class AdmissionController:
         tier = ticket.tier.name
         try:
             if not self._settings.admission:
-                choice = self._router.choose(ticket.model, ticket.own_tokens, ticket.affinity)
+                choice = self._router.choose(ticket.model, ticket.own_tokens, ticket.route)
                 self._decide(ticket.tier, Decision.ADMITTED)
                 return self.lease(choice, ticket), 0.0
             now = self._clock()

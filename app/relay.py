@@ -219,7 +219,7 @@ class Relay(Response):
             if self._engine:
                 lease, self._queued_s = await deps.admission.admit(ticket)
             else:
-                choice = deps.router.choose(ticket.model, 0.0, ticket.affinity)
+                choice = deps.router.choose(ticket.model, 0.0, ticket.route)
                 lease = deps.admission.lease(choice, ticket)
         except GatewayError as error:
             await self._fail(send, error, None)
@@ -279,9 +279,7 @@ class Relay(Response):
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
         ticket = self._ctx.ticket
         try:
-            return self._deps.router.choose(
-                ticket.model, ticket.own_tokens, ticket.affinity, exclude
-            )
+            return self._deps.router.choose(ticket.model, ticket.own_tokens, ticket.route, exclude)
         except GatewayError:
             return None
 

@@ -95,9 +95,7 @@ async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> R
         identity.tier,
         model,
         own_tokens,
-        state.router.affinity(
-            _affinity_key(request, parsed, state.settings.affinity_header), parsed
-        ),
+        state.router.route_key(_session(request, parsed, state.settings.affinity_header), parsed),
         timer.arrival,
     )
     scope = request.scope
@@ -173,7 +171,7 @@ async def metrics(request: Request) -> PlainTextResponse:
     )
 
 
-def _affinity_key(request: Request, parsed: ParsedRequest, header: str | None) -> str | None:
+def _session(request: Request, parsed: ParsedRequest, header: str | None) -> str | None:
     if header:
         value = request.headers.get(header)
         if value:

@@ -21,8 +21,9 @@ With affinity (a session header or the ``user`` field), a session sticks to one 
 prefix cache then holds its conversation, unless that worker is predicted to be slower than the
 best one by more than ``affinity_slack_s``.
 
-The request's affinity key reaches :meth:`Router.choose` through admission unchanged; under
-``prefix_aware`` it is an :class:`Affinity`, a string that also carries the prompt's prefix.
+What routes a request besides its model and size, its session and (under ``prefix_aware``) its
+prompt's prefix, is its :class:`RouteKey`, which reaches :meth:`Router.choose` through
+admission's ticket.
 """
 
 from __future__ import annotations
@@ -61,20 +62,17 @@ class Choice:
     """Prompt tokens the worker is expected to find in its prefix cache (``prefix_aware``)."""
 
 
-class Affinity(str):
-    """A request's affinity key that also carries its prompt's prefix (``prefix_aware``).
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    """What routes a request besides its model and size."""
 
-    The string is the session key, empty when the request has none; it travels through
-    admission's ticket to :meth:`Router.choose` like any affinity key.
-    """
+    session: str | None = None
+    """Its session (a header or the body's ``user``): the session sticks to one worker."""
+    prefix: PromptPrefix | None = None
+    """Its prompt's prefix, read under ``prefix_aware`` only."""
 
-    prefix: PromptPrefix
 
-    def __new__(cls, session: str, prefix: PromptPrefix) -> Affinity:
-        """The key ``session`` (may be empty) with the prompt's ``prefix``."""
-        key = super().__new__(cls, session)
-        key.prefix = prefix
-        return key
+NO_KEY = RouteKey()
 
 
 class Router:
@@ -93,14 +91,14 @@ class Router:
         self._turn = itertools.count()
         self._metrics = metrics
 
-    def affinity(self, session: str | None, request: ParsedRequest) -> str | None:
-        """The key to route ``request`` by: its ``session``, with its prompt's prefix if needed.
+    def route_key(self, session: str | None, request: ParsedRequest) -> RouteKey:
+        """What routes ``request``: its ``session``, and its prompt's prefix if the policy reads it.
 
-        The prefix is read only under ``prefix_aware``; other policies get ``session`` as is.
+        The prefix is read only under ``prefix_aware``; other policies route by the session only.
         """
         if self._settings.routing != "prefix_aware":
-            return session
-        return Affinity(session or "", prompt_prefix(request))
+            return RouteKey(session)
+        return RouteKey(session, prompt_prefix(request))
 
     def default_model(self) -> str:
         """The model of a request that names none: the only model the workers serve.
@@ -171,10 +169,10 @@ class Router:
         self,
         model: str,
         own_tokens: float,
-        affinity_key: str | None = None,
+        key: RouteKey = NO_KEY,
         exclude: frozenset[str] = frozenset(),
     ) -> Choice:
-        """The worker for a request of about ``own_tokens`` prompt tokens."""
+        """The worker for a request of about ``own_tokens`` prompt tokens, routed by ``key``."""
         workers = self.candidates(model, exclude)
         policy = self._settings.routing
         if policy == "round_robin":
@@ -183,7 +181,7 @@ class Router:
             pair = workers if len(workers) < 3 else self._rng.sample(workers, 2)
             worker = min(pair, key=lambda w: w.in_flight)
         else:
-            prefix = affinity_key.prefix if isinstance(affinity_key, Affinity) else None
+            prefix = key.prefix
             crowded = self._crowded(workers) if prefix is not None else ()
             scored = []
             for w in workers:
@@ -201,8 +199,8 @@ class Router:
                 # its smallest tree).
                 near = [s for s in scored if s[0] <= best_ttft + slack]
                 _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
-            if affinity_key:
-                pinned = _rendezvous(affinity_key, workers)
+            if key.session:
+                pinned = _rendezvous(key.session, workers)
                 pinned_ttft, _, _, pinned_cached = next(s for s in scored if s[2] is pinned)
                 if pinned_ttft <= best_ttft + slack:
                     worker, cached = pinned, pinned_cached
@@ -210,8 +208,8 @@ class Router:
                 self._remember(worker, prefix, own_tokens, cached)
             predicted, work = self.predict(worker, own_tokens - cached)
             return Choice(worker, predicted, work, cached)
-        if affinity_key:
-            worker = _rendezvous(affinity_key, workers)
+        if key.session:
+            worker = _rendezvous(key.session, workers)
         predicted, work = self.predict(worker, own_tokens)
         return Choice(worker, predicted, work)
 

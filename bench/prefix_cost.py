@@ -7,7 +7,7 @@ then turns of a conversation) is parsed once, as the gateway does anyway; then, 
 gateway's own objects (a pool of healthy workers whose prefix indexes already hold thousands
 of other prompts, with one worker holding half of this prompt):
 
-* ``prefix``: reading the prompt's text and hashing its blocks (:meth:`Router.affinity`);
+* ``prefix``: reading the prompt's text and hashing its blocks (:meth:`Router.route_key`);
 * ``choose``: :meth:`Router.choose` under ``prefix_aware``, against the same call under
   ``predicted_ttft``; the difference is the index lookups, the insertion and the counters.
 
@@ -32,7 +32,7 @@ import httpx
 from app import prefix as index
 from app.metrics import GatewayMetrics
 from app.protocol import Endpoint, parse_request
-from app.routing import Affinity, Choice, Router
+from app.routing import Choice, RouteKey, Router
 from app.settings import Settings
 from app.workers import WorkerPool
 from bench.live import prompt_text, write_json
@@ -100,21 +100,21 @@ def measure(chars: int, workers: int, requests: int, rounds: int, seed: int) -> 
     # Other traffic: thousands of prompts already indexed on every worker.
     for _ in range(300):
         other = parse_request(Endpoint.CHAT, chat_body(chars // 2, rng, prompt_text(900, rng)))
-        aware.choose(MODEL, own_tokens, aware.affinity(None, other))
+        aware.choose(MODEL, own_tokens, aware.route_key(None, other))
     half = parse_request(Endpoint.CHAT, chat_body(chars // 2, random.Random(seed), system))
-    aware.choose(MODEL, own_tokens, aware.affinity(None, half))
+    aware.choose(MODEL, own_tokens, aware.route_key(None, half))
     # A prompt sharing nothing for every request of every round (only the keys are kept).
     keys_fresh = [
         [
-            aware.affinity(
+            aware.route_key(
                 None, parse_request(Endpoint.CHAT, chat_body(chars, rng, prompt_text(1200, rng)))
             )
             for _ in range(requests)
         ]
         for _ in range(rounds)
     ]
-    key_same = aware.affinity(None, same)
-    assert isinstance(key_same, Affinity)
+    key_same = aware.route_key(None, same)
+    assert key_same.prefix is not None
     blocks = len(key_same.prefix.blocks)
 
     samples: dict[str, list[float]] = {
@@ -125,14 +125,14 @@ def measure(chars: int, workers: int, requests: int, rounds: int, seed: int) -> 
         samples["text"].append(
             _cpu_us(lambda: index.prompt_text(Endpoint.CHAT, same.body), requests)
         )
-        samples["prefix"].append(_cpu_us(lambda: aware.affinity(None, same), requests))
+        samples["prefix"].append(_cpu_us(lambda: aware.route_key(None, same), requests))
         samples["choose_ttft"].append(_cpu_us(lambda: ttft.choose(MODEL, own_tokens), requests))
         samples["choose_same"].append(
             _cpu_us(lambda: aware.choose(MODEL, own_tokens, key_same), requests)
         )
         fresh_keys = iter(keys_fresh[round_])
 
-        def choose_new(keys: Iterator[str | None] = fresh_keys) -> Choice:
+        def choose_new(keys: Iterator[RouteKey] = fresh_keys) -> Choice:
             return aware.choose(MODEL, own_tokens, next(keys))
 
         samples["choose_new"].append(_cpu_us(choose_new, requests))

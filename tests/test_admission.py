@@ -28,7 +28,7 @@ from app.limits import Limits
 from app.metrics import GatewayMetrics
 from app.outcome import DECISION_REASONS, SloResult
 from app.predictor import RecentQuantile
-from app.routing import Router
+from app.routing import NO_KEY, Router
 from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
 from app.workers import Worker, WorkerPool
@@ -77,7 +77,7 @@ def _tier(settings: Settings, name: str) -> TierSpec:
 
 
 def _ticket(settings: Settings, clock: FakeClock, tier: str, tokens: float = 10) -> Ticket:
-    return Ticket(_tier(settings, tier), MODEL, tokens, None, clock.now)
+    return Ticket(_tier(settings, tier), MODEL, tokens, NO_KEY, clock.now)
 
 
 def _decisions(

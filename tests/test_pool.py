@@ -12,7 +12,7 @@ import pytest
 
 from app.errors import ModelNotFound
 from app.metrics import GatewayMetrics
-from app.routing import Router
+from app.routing import RouteKey, Router
 from app.settings import Settings
 from app.workers import WorkerPool
 from tests.fake_upstream import MODEL, FakeWorker, chunk, fleet, tokens
@@ -99,12 +99,12 @@ def test_routing_policies() -> None:
     # Affinity: a key sticks to one worker while it is not much slower than the best...
     for w in (a, b, c):
         w.prefill_tokens_ahead = 0
-    pinned = {router.choose(MODEL, 50, affinity_key="session-1").worker for _ in range(10)}
+    pinned = {router.choose(MODEL, 50, key=RouteKey("session-1")).worker for _ in range(10)}
     assert len(pinned) == 1
     (home,) = pinned
     # ...and falls back when its worker is overloaded.
     home.prefill_tokens_ahead = 50_000
-    assert router.choose(MODEL, 50, affinity_key="session-1").worker is not home
+    assert router.choose(MODEL, 50, key=RouteKey("session-1")).worker is not home
     # Exclusion (failover) and unknown models.
     assert router.choose(MODEL, 50, exclude=frozenset({"a:1", "b:2"})).worker is c
     with pytest.raises(ModelNotFound, match="does not exist"):

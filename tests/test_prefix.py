@@ -12,9 +12,9 @@ import httpx
 from app.lease import Lease
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import GatewayMetrics
-from app.prefix import BLOCK_CHARS, PrefixIndex, prompt_text
+from app.prefix import BLOCK_CHARS, PrefixIndex, PromptPrefix, prompt_text
 from app.protocol import Endpoint, ParsedRequest, parse_request
-from app.routing import Affinity, Router
+from app.routing import RouteKey, Router
 from app.workers import Worker, WorkerPool
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
@@ -63,10 +63,15 @@ def _sample(pool: WorkerPool, name: str, **labels: str) -> float:
     return value
 
 
-def _key(router: Router, request: ParsedRequest, session: str | None = None) -> Affinity:
-    key = router.affinity(session, request)
-    assert isinstance(key, Affinity)
+def _key(router: Router, request: ParsedRequest, session: str | None = None) -> RouteKey:
+    key = router.route_key(session, request)
+    assert key.prefix is not None
     return key
+
+
+def _prefix(key: RouteKey) -> PromptPrefix:
+    assert key.prefix is not None
+    return key.prefix
 
 
 def _tokens(request: ParsedRequest) -> float:
@@ -112,21 +117,21 @@ def test_the_index_finds_the_longest_shared_prefix() -> None:
     _, router = _fleet()
     first = _key(router, _chat("the first user asks about " + _words(300, 2)))
     index = PrefixIndex()
-    index.add(first.prefix.blocks, cap=10_000)
-    assert index.match(first.prefix.blocks) == len(first.prefix.blocks)
+    index.add(_prefix(first).blocks, cap=10_000)
+    assert index.match(_prefix(first).blocks) == len(_prefix(first).blocks)
     # Another user with the same system prompt: shares the whole blocks of the system prompt.
     second = _key(router, _chat("a second user asks about " + _words(300, 3)))
     shared_chars = len(prompt_text(Endpoint.CHAT, _chat().body))
-    assert index.match(second.prefix.blocks) == shared_chars // BLOCK_CHARS
+    assert index.match(_prefix(second).blocks) == shared_chars // BLOCK_CHARS
     # The first user's next turn: the whole of the first prompt is a prefix of it.
     follow_up = _chat("the first user asks about " + _words(300, 2), "an answer", "and then?")
-    assert index.match(_key(router, follow_up).prefix.blocks) == len(first.prefix.blocks)
+    assert index.match(_prefix(_key(router, follow_up)).blocks) == len(_prefix(first).blocks)
     # A prompt that differs in its first block shares nothing, even with the same tail.
-    assert index.match(_key(router, _chat(system="x" + SYSTEM[1:])).prefix.blocks) == 0
+    assert index.match(_prefix(_key(router, _chat(system="x" + SYSTEM[1:]))).blocks) == 0
     # Another model's identical prompt is another prefix (a worker may serve several).
     other_model = {**follow_up.body, "model": "other-model"}
     other = parse_request(Endpoint.CHAT, json.dumps(other_model).encode())
-    assert index.match(_key(router, other).prefix.blocks) == 0
+    assert index.match(_prefix(_key(router, other)).blocks) == 0
 
 
 def test_requests_sharing_a_prefix_go_where_it_was_sent_and_the_hit_is_predicted() -> None:
@@ -159,8 +164,8 @@ def test_a_worker_with_the_prefix_but_a_long_queue_loses_to_an_idle_one() -> Non
     request = _chat("a question: " + _words(40, 9))
     key = _key(router, request)
     own = _tokens(request)
-    a.prefixes.add(key.prefix.blocks, 10_000)
-    saved = router.cached_tokens(a, key.prefix, own)
+    a.prefixes.add(_prefix(key).blocks, 10_000)
+    saved = router.cached_tokens(a, _prefix(key), own)
     assert saved > 0.8 * own
     # A short queue on A costs less than the prefill A saves: A wins.
     a.prefill_tokens_ahead = 0.5 * saved
@@ -168,7 +173,7 @@ def test_a_worker_with_the_prefix_but_a_long_queue_loses_to_an_idle_one() -> Non
     # A queue longer than the saved prefill: the idle worker wins, and now holds it too.
     a.prefill_tokens_ahead = 1.5 * saved
     assert router.choose(MODEL, own, key).worker is b
-    assert b.prefixes.match(key.prefix.blocks) == len(key.prefix.blocks)
+    assert b.prefixes.match(_prefix(key).blocks) == len(_prefix(key).blocks)
     # Requests queued inside the worker (other replicas' traffic) count as a queue as well.
     a.prefill_tokens_ahead = 0
     b.prefill_tokens_ahead = 0
@@ -183,7 +188,7 @@ def test_a_hot_prefix_does_not_pile_onto_the_worker_that_first_had_it() -> None:
     a, b = pool.workers["a:1"], pool.workers["b:2"]
     request = _chat("a question: " + _words(40, 15))
     key = _key(router, request)
-    a.prefixes.add(key.prefix.blocks, 10_000)
+    a.prefixes.add(_prefix(key).blocks, 10_000)
     # More requests on A than on B, within the balance thresholds: the cache wins.
     for on_a, on_b in ((4, 0), (5, 1), (10, 6), (11, 6)):
         a.in_flight, b.in_flight = on_a, on_b
@@ -215,7 +220,7 @@ def test_new_prefixes_go_to_the_worker_holding_the_least_unless_it_is_much_slowe
         request = _chat(f"user {seed}", system=_words(300, 200 + seed))
         _route(router, request)
         # Never more than one prompt's blocks apart.
-        assert abs(len(a.prefixes) - len(b.prefixes)) <= len(_key(router, request).prefix.blocks)
+        assert abs(len(a.prefixes) - len(b.prefixes)) <= len(_prefix(_key(router, request)).blocks)
     # ...within the slack: a much slower worker does not get it for its empty cache.
     b.prefixes.clear()
     b.prefill_tokens_ahead = 5000  # about a second of prefill ahead at the default speed
@@ -228,7 +233,7 @@ def test_a_worker_holding_the_prefix_is_never_chosen_when_it_is_not_healthy() ->
     a, b = pool.workers["a:1"], pool.workers["b:2"]
     request = _chat("a question: " + _words(40, 10))
     key = _key(router, request)
-    a.prefixes.add(key.prefix.blocks, 10_000)
+    a.prefixes.add(_prefix(key).blocks, 10_000)
     assert router.choose(MODEL, _tokens(request), key).worker is a
     unhealthy: list[tuple[str, object, object]] = [
         ("up", False, True),
@@ -248,10 +253,10 @@ def test_a_worker_with_prefix_caching_off_is_predicted_no_hit() -> None:
     a = pool.workers["a:1"]
     request = _chat("a question: " + _words(40, 11))
     key = _key(router, request)
-    a.prefixes.add(key.prefix.blocks, 10_000)
-    assert router.cached_tokens(a, key.prefix, _tokens(request)) > 0
+    a.prefixes.add(_prefix(key).blocks, 10_000)
+    assert router.cached_tokens(a, _prefix(key), _tokens(request)) > 0
     a.load = LoadSample(0, 0, 0.0, pool.now(), 0, 131072, 128, prefix_caching=False)
-    assert router.cached_tokens(a, key.prefix, _tokens(request)) == 0
+    assert router.cached_tokens(a, _prefix(key), _tokens(request)) == 0
 
 
 def test_the_index_is_capped_in_memory_drops_the_least_recent_and_keeps_whole_prefixes() -> None:
@@ -259,17 +264,17 @@ def test_the_index_is_capped_in_memory_drops_the_least_recent_and_keeps_whole_pr
     pool, router = _fleet(prefix_index_mb=0.01)
     a = pool.workers["a:1"]
     first = _key(router, _chat("first: " + _words(200, 12), system=_words(400, 13)))
-    a.prefixes.add(first.prefix.blocks, 34)
+    a.prefixes.add(_prefix(first).blocks, 34)
     for seed in range(20, 40):
         request = _chat(f"other {seed}: " + _words(200, seed), system=_words(400, seed + 100))
         router.choose(MODEL, _tokens(request), _key(router, request), frozenset({"b:2"}))
         assert len(a.prefixes) <= 34
         # Blocks go tail first: what is left of the first prompt is always a whole prefix.
-        held = sum(block in a.prefixes for block in first.prefix.blocks)
-        assert a.prefixes.match(first.prefix.blocks) == held
-    assert a.prefixes.match(first.prefix.blocks) == 0
+        held = sum(block in a.prefixes for block in _prefix(first).blocks)
+        assert a.prefixes.match(_prefix(first).blocks) == held
+    assert a.prefixes.match(_prefix(first).blocks) == 0
     # The most recent prompt is held from its start.
-    assert a.prefixes.match(_key(router, request).prefix.blocks) > 0
+    assert a.prefixes.match(_prefix(_key(router, request)).blocks) > 0
     # The memory is exported, and stays under the cap.
     pool.export()
     assert 0 < _sample(pool, "gateway_prefix_index_bytes") <= 0.01 * 2**20
@@ -307,7 +312,7 @@ def test_sessions_still_stick_under_prefix_aware_routing() -> None:
     _, router = _fleet("http://a:1,http://b:2,http://c:3")
     # Short prompts (no whole block): the session key alone decides, as with predicted_ttft.
     short = _chat("hi", system="be brief")
-    assert _key(router, short).prefix.blocks == []
+    assert _prefix(_key(router, short)).blocks == []
     for session in ("s-1", "s-2", "s-3", "s-4"):
         assert len({_route(router, short, session) for _ in range(10)}) == 1
     assert len({_route(router, short, f"s-{i}") for i in range(30)}) > 1
@@ -317,7 +322,7 @@ def test_a_restarted_worker_forgets_its_prefixes() -> None:
     pool, router = _fleet()
     a = pool.workers["a:1"]
     request = _chat("a question: " + _words(40, 14))
-    a.prefixes.add(_key(router, request).prefix.blocks, 10_000)
+    a.prefixes.add(_prefix(_key(router, request)).blocks, 10_000)
     pool._set_up(a, False, None)
     pool._set_up(a, True, None)
     assert len(a.prefixes) == 0
@@ -327,8 +332,8 @@ def test_other_policies_read_no_prefix() -> None:
     pool, _ = _fleet()
     for policy in ("predicted_ttft", "round_robin", "least_outstanding"):
         other = Router(settings_for("http://a:1,http://b:2", routing=policy), pool)
-        assert other.affinity("s-1", _chat("x")) == "s-1"
-        assert other.affinity(None, _chat("x")) is None
+        assert other.route_key("s-1", _chat("x")) == RouteKey("s-1")
+        assert other.route_key(None, _chat("x")) == RouteKey()
 
 
 def test_the_cache_config_gives_block_size_and_whether_prefix_caching_is_on() -> None:
