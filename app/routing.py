@@ -199,6 +199,18 @@ class Router:
                 # its smallest tree).
                 near = [s for s in scored if s[0] <= best_ttft + slack]
                 _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
+            elif prefix is None:
+                # Predicted TTFTs this close are within what the prediction knows: the least
+                # loaded worker wins. Else a worker whose prefix cache made its first answers
+                # fast learnt a prefill speed no other could show without traffic, and took it
+                # all (seen: every request of a warm-up on one of two workers, which then
+                # flooded the other, at the hard cap, in the first surge).
+                near = [s for s in scored if s[0] <= best_ttft + slack]
+                if len(near) > 1:
+                    now, max_age = self._pool.now(), self._settings.load_max_age_s
+                    _, _, worker, cached = min(
+                        near, key=lambda s: (s[2].in_flight + s[2].others(now, max_age), s[0])
+                    )
             if key.session:
                 pinned = _rendezvous(key.session, workers)
                 pinned_ttft, _, _, pinned_cached = next(s for s in scored if s[2] is pinned)

@@ -190,9 +190,9 @@ class Settings(BaseSettings):
     affinity_slack_s: float = Field(
         default=0.25,
         ge=0,
-        description="Keep the pinned worker unless its predicted TTFT is this much worse; "
-        "prefix_aware also sends a prefix no worker holds to the worker holding the fewest "
-        "prefixes among those predicted within this of the fastest.",
+        description="Predicted TTFTs within this of the fastest count as equal: a session keeps "
+        "its pinned worker, a request without one goes to the least loaded of them (prefix_aware: "
+        "a prefix no worker holds, to the one holding the fewest prefixes).",
     )
     load_interval_s: float = Field(
         default=0.5, gt=0, description="How often each worker's /metrics is scraped."

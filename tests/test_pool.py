@@ -119,6 +119,30 @@ def test_routing_policies() -> None:
     assert "c:3" not in picks
 
 
+def test_near_equal_predictions_go_to_the_least_loaded_worker() -> None:
+    """A worker that learnt a fast prefill (its prefix cache hit) does not take all traffic."""
+    clock = FakeClock()
+    settings = settings_for("http://a:1,http://b:2")
+    pool = _pool(settings, clock)
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    for worker in (a, b):
+        worker.up = True
+        worker.models = {MODEL}
+    router = Router(settings, pool, random.Random(3))
+    for _ in range(50):  # a's first answers came from its prefix cache: 20 ms whatever the work
+        a.latency.observe_ttft(800.0, 0.02)
+    assert router.rank(a, 700) + 0.1 < router.rank(b, 700) < router.rank(a, 700) + 0.25
+    a.in_flight = 1
+    assert router.choose(MODEL, 700).worker is b  # within the 0.25-s slack: less loaded wins
+    b.in_flight = 5
+    assert router.choose(MODEL, 700).worker is a
+    # A real difference (a prefill queue) still decides, whatever the load.
+    a.in_flight, b.in_flight = 30, 0
+    b.prefill_tokens_ahead = 20_000
+    assert router.rank(b, 700) > router.rank(a, 700) + 0.25
+    assert router.choose(MODEL, 700).worker is a
+
+
 def test_stale_load_counts_as_busy() -> None:
     clock = FakeClock()
     settings = settings_for("http://a:1,http://b:2")
