@@ -56,7 +56,7 @@ async def _generate(request: Request, state: GatewayState, endpoint: Endpoint) -
         state.router.candidates(model)  # unknown model: 404 now, before any waiting
         own_tokens = state.sizer.estimate(state.pool.model_label(model), parsed.size)
         charged = own_tokens + float(parsed.max_tokens or 0) * parsed.n
-        state.auth.acquire(identity, charged)
+        await state.auth.acquire(identity, charged)
     except GatewayError as exc:
         summary = timer.summary(None)
         end = RequestEnd(
