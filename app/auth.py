@@ -5,10 +5,12 @@ first 8 hex digits of its hash) is ever shown. Without keys configured, every re
 the default tier and the start-up log says so.
 
 A key's limits hold across every process and replica when the gateway shares state through
-Redis (:mod:`app.shared`): one round trip checks and charges both. Without Redis, or while it
-does not answer, each process holds every key to its limits on its own (the token bucket and
-count below, which are kept current either way, so a fallback starts from what this process
-really runs).
+Redis (:mod:`app.shared`): one round trip checks and charges both. Without Redis each process
+holds every key to its limits on its own (the token bucket and count below). While a
+configured Redis does not answer, each process holds a key to its part of the concurrency
+limit (split between the processes last seen) and to the whole tokens-per-minute limit; the
+count and bucket are kept current either way, so a fallback starts from what this process
+really runs.
 """
 
 from __future__ import annotations
@@ -207,6 +209,8 @@ class Authenticator:
                 self._take(key, estimated_tokens)
                 return
         limit = spec.max_concurrency
+        if limit is not None and shared is not None:
+            limit = shared.share(limit)  # Redis is down or slow: this process's part alone
         if limit is not None and key.in_flight >= limit:
             raise _limited(spec, "concurrency", 0.0)
         if key.bucket is not None:

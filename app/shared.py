@@ -250,6 +250,8 @@ class SharedState:
         self.up = False
         self._down_logged = False
         self.arrivals = FleetArrivals()
+        self.processes = 1
+        """Gateway processes in the fleet (this one included), as last read from Redis."""
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self._keys: dict[str, Callable[[], tuple[int, int | None]]] = {}
@@ -295,6 +297,14 @@ class SharedState:
     def track_key(self, key_hash: str, counts: Callable[[], tuple[int, int | None]]) -> None:
         """Republish ``key_hash``'s count of requests here with every sync (see the module)."""
         self._keys[key_hash] = counts
+
+    def share(self, limit: int) -> int:
+        """The part of a key's concurrency ``limit`` this process holds while Redis is away.
+
+        The limit split evenly between the processes last seen (at least one each), so that a
+        Redis that is down or slow does not multiply a key's limit by the size of the fleet.
+        """
+        return max(1, limit // self.processes)
 
     async def acquire(
         self,
@@ -408,6 +418,7 @@ class SharedState:
                     oldest = max(oldest, float(state["o"]) + age)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a state this version cannot read: leave it out
+        self.processes = len(reply)  # the others' states, and this one's
         fresh = _STALE_SYNCS * self._interval
         for label, worker in pool.workers.items():
             worker.set_fleet_others(float(workers.get(label, 0)), now, fresh)
