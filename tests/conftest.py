@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_server import RedisServer
+from scripts.redis_server import RedisServer
 from tests.servers import free_port
 
 

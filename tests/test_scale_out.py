@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from scripts.redis_server import RedisServer
 from tests.pod import Pod, running_pod
-from tests.redis_server import RedisServer
 from tests.test_real_worker import scrape, total, wait_idle
 
 MODEL = "tiny-llama"

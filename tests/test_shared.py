@@ -27,7 +27,7 @@ from app.settings import Settings
 from app.shared import SharedState
 from app.timing import default_clock
 from app.workers import WorkerPool
-from tests.redis_server import RedisServer
+from scripts.redis_server import RedisServer
 from tests.servers import settings_for
 
 KEY = "sk-shared-test"

@@ -1,7 +1,8 @@
-"""A real redis-server for the tests of shared state: on a free port, in a temporary directory.
+"""A real redis-server on a free port, in a directory of its own, for tests and benchmarks.
 
 Installed by ``make redis`` (Debian's package; ``make test`` and ``make unit`` run it). Tests
-kill, pause and restart it to see the gateway fall back and recover.
+kill, pause and restart it to see the gateway fall back and recover; the admission benchmark
+shares it between its gateway processes (``--processes``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import time
 from pathlib import Path
 
 from scripts.processes import stop_process
-from tests.servers import free_port
 
 
 class RedisServer:
@@ -27,7 +27,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed: run `make redis`")
         self._binary = binary
         self.directory = directory
-        self.port = port or free_port()
+        self.port = port or _free_port()
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -93,3 +93,10 @@ class RedisServer:
                 self.resume()  # a paused server would not hear SIGTERM
             stop_process(self._proc, grace=5)
             self._proc = None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
