@@ -70,7 +70,7 @@ async def processes(redis_server: RedisServer) -> AsyncIterator[list[Process]]:
     for _ in range(3):
         settings = _settings(max_concurrency=4, tokens_per_minute=6000)
         gauge = Gauge("gateway_shared_state_up", "up", registry=CollectorRegistry())
-        shared = SharedState(redis_server.url, 0.05, 0.05, default_clock, gauge, lease_ttl_s=1.0)
+        shared = SharedState(redis_server.url, 0.05, 0.2, default_clock, gauge, lease_ttl_s=1.0)
         metrics = GatewayMetrics(settings)
         pool = WorkerPool(settings, client, metrics, default_clock, LoopResolver())
         demand = TierDemand(default_clock, None)
