@@ -35,22 +35,41 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def process_count(setting: int | str, cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+_CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
+_CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+
+
+def process_count(
+    setting: int | str, cgroup: Path = _CGROUP_V2, cgroup_v1: Path = _CGROUP_V1
+) -> int:
     """How many processes ``GATEWAY_PROCESSES`` asks for: ``auto`` is one per core.
 
     The cores this process may run on, and no more than its container's CPU limit (cgroup v2
-    ``cpu.max``, rounded up): a pod limited to 2 CPUs on a 64-core node gets 2.
+    ``cpu.max``, or v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, rounded up): a pod
+    limited to 2 CPUs on a 64-core node gets 2.
     """
     if setting != "auto":
         return int(setting)
     cores = len(os.sched_getaffinity(0))
+    quota = _cpu_quota(cgroup, cgroup_v1)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
+def _cpu_quota(cgroup: Path, cgroup_v1: Path) -> float | None:
+    """The container's CPU limit in CPUs, if it has one."""
     try:
         quota, period = cgroup.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, math.ceil(int(quota) / int(period)))
+        return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
-    return max(1, cores)
+    try:
+        quota_us = int((cgroup_v1 / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup_v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 class GatewayProcess(Process):
