@@ -10,7 +10,7 @@ WORKER_PORT ?= 8100
 # pip's download cache stays inside the clone too (gitignored), not in ~/.cache.
 export PIP_CACHE_DIR ?= $(CURDIR)/.run/cache/pip
 
-.PHONY: help install worker ops-tools run test lint typecheck unit bench bench-routing bench-admission clean
+.PHONY: help install worker ops-tools redis run test lint typecheck unit bench bench-routing bench-admission clean
 
 help:
 	@echo "make run    - start a vLLM CPU worker and the gateway in front of it (port $(GATEWAY_PORT))"
@@ -33,6 +33,10 @@ worker:
 ops-tools:
 	bash scripts/install_ops_tools.sh
 
+# redis-server for the tests of state shared between gateway processes (Debian's package).
+redis:
+	bash scripts/install_redis.sh
+
 run: install worker
 	$(BIN)/python -m scripts.run_stack --gateway-port $(GATEWAY_PORT) --worker-port $(WORKER_PORT)
 
@@ -43,10 +47,10 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: lint typecheck worker ops-tools
+test: lint typecheck worker ops-tools redis
 	$(BIN)/pytest
 
-unit: install
+unit: install redis
 	$(BIN)/pytest -m "not worker"
 
 bench: install

@@ -1,3 +1,4 @@
 from app.main import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -27,6 +29,7 @@ from app.relay import RelayDeps
 from app.routes import router
 from app.routing import Router
 from app.settings import Settings
+from app.shared import SharedState
 from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
@@ -60,7 +63,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, GatewayState]]:
         metrics = GatewayMetrics(settings)
-        auth = Authenticator(settings, clock)
+        shared = None
+        if settings.redis_url:
+            shared = SharedState(
+                settings.redis_url, settings.redis_timeout_s, settings.redis_sync_interval_s,
+                clock, metrics.shared_state_up,
+            )  # fmt: skip
+        auth = Authenticator(settings, clock, shared)
         auth.log_mode()
         client = make_client(settings, transport)
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
@@ -72,13 +81,28 @@ def create_app(
         recorder = Recorder(settings, metrics, goodput, auth, sizer, pool, limits)
         lag = LoopLagProbe(metrics.loop_lag)
         lag.start()
+        exporter: asyncio.Task[None] | None = None
         try:
             await pool.start(first_wait=settings.connect_timeout_s)
+            if shared is not None:
+                admission.demand.fleet = shared.arrivals
+                await shared.sync(pool, admission.demand)  # shared from the first request on
+                shared.start(pool, admission.demand)
+            if metrics.multiprocess:
+                # Gauges refreshed at export time are refreshed by the process that answers
+                # /metrics only: every process refreshes its own, for the merge to read.
+                exporter = asyncio.create_task(
+                    _every(1.0, pool.export, lambda: limits.export(pool), goodput.export),
+                    name="metrics-export",
+                )
             log.info(
-                "gateway ready: %d worker(s), %d healthy, models %s, routing %s, admission %s",
+                "gateway ready: %d worker(s), %d healthy, models %s, routing %s, admission %s, "
+                "state %s",
                 len(pool.workers), sum(w.up for w in pool.workers.values()),
                 sorted(pool.served_models()), settings.routing,
                 "on" if settings.admission else "off",
+                "local" if shared is None else "shared through Redis"
+                if shared.up else "shared through Redis (not answering yet)",
             )  # fmt: skip
             slots = UpstreamSlots(connection_budget(settings.max_upstream_connections), metrics)
             deps = RelayDeps(
@@ -102,6 +126,12 @@ def create_app(
             }
         finally:
             lag.stop()
+            if exporter is not None:
+                exporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await exporter
+            if shared is not None:
+                await shared.stop()
             await admission.stop()
             await pool.stop()
             await client.aclose()
@@ -129,6 +159,14 @@ def create_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app
+
+
+async def _every(interval_s: float, *jobs: Callable[[], None]) -> None:
+    """Run ``jobs`` every ``interval_s`` until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for job in jobs:
+            job()
 
 
 # OpenAI's error objects carry a string code (or null), never a number.

@@ -3,6 +3,14 @@
 Keys never reach logs, metrics or error messages; only a key's configured ``name`` (or the
 first 8 hex digits of its hash) is ever shown. Without keys configured, every request runs in
 the default tier and the start-up log says so.
+
+A key's limits hold across every process and replica when the gateway shares state through
+Redis (:mod:`app.shared`): one round trip checks and charges both. Without Redis each process
+holds every key to its limits on its own (the token bucket and count below). While a
+configured Redis does not answer, each process holds a key to its part of the concurrency
+limit (split between the processes last seen) and to the whole tokens-per-minute limit; the
+count and bucket are kept current either way, so a fallback starts from what this process
+really runs.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from pydantic import TypeAdapter
 
 from app.errors import AuthenticationFailed, RateLimited, TierNotAllowed
 from app.settings import ApiKeySpec, Settings, TierSpec
+from app.shared import SharedState
 from app.timing import Clock
 
 log = logging.getLogger(__name__)
@@ -69,6 +78,10 @@ class KeyState:
         per_minute = spec.tokens_per_minute
         self.bucket = TokenBucket(per_minute, clock) if per_minute else None
 
+    def counts(self) -> tuple[int, int | None]:
+        """Its requests running in this process, and its concurrency limit."""
+        return self.in_flight, self.spec.max_concurrency
+
     @property
     def name(self) -> str:
         """What logs may show of the key."""
@@ -105,7 +118,7 @@ def _keys_file(path: Path) -> list[ApiKeySpec]:
 class Authenticator:
     """Maps a request's ``Authorization`` header to an :class:`Identity`."""
 
-    def __init__(self, settings: Settings, clock: Clock) -> None:
+    def __init__(self, settings: Settings, clock: Clock, shared: SharedState | None = None) -> None:
         self.tiers = {tier.name: tier for tier in settings.tiers}
         self._default = self.tiers[settings.default_tier]
         specs = list(settings.api_keys)
@@ -117,6 +130,11 @@ class Authenticator:
                     f"API key {spec.name or spec.sha256[:8]}: unknown tier {spec.tier}"
                 )
         self._keys = {spec.sha256: KeyState(spec, clock) for spec in specs}
+        self._shared = shared
+        if shared is not None:
+            for key in self._keys.values():
+                if key.spec.max_concurrency is not None:
+                    shared.track_key(key.spec.sha256, key.counts)
 
     @property
     def enabled(self) -> bool:
@@ -164,38 +182,77 @@ class Authenticator:
             tier = wanted
         return Identity(key, tier)
 
-    @staticmethod
-    def acquire(identity: Identity, estimated_tokens: float) -> None:
-        """Take one concurrency slot and the estimated tokens; raise 429 when over a limit."""
+    async def acquire(self, identity: Identity, estimated_tokens: float) -> None:
+        """Take one concurrency slot and the estimated tokens; raise 429 when over a limit.
+
+        Fleet-wide through Redis when it answers within its budget, else this process's own.
+        """
         key = identity.key
         if key is None:
             return
-        limit = key.spec.max_concurrency
+        spec = key.spec
+        shared = self._shared
+        if shared is not None and shared.up and (spec.max_concurrency or spec.tokens_per_minute):
+            # Counted here before the round trip: another request of the key that this process
+            # checks meanwhile then counts this one too.
+            key.in_flight += 1
+            try:
+                verdict = await shared.acquire(
+                    spec.sha256, key.in_flight, spec.max_concurrency, spec.tokens_per_minute,
+                    estimated_tokens,
+                )  # fmt: skip
+            finally:
+                key.in_flight -= 1
+            if verdict is not None:
+                if not verdict.ok:
+                    raise _limited(spec, verdict.limit, verdict.wait_s)
+                self._take(key, estimated_tokens)
+                return
+        limit = spec.max_concurrency
+        if limit is not None and shared is not None:
+            limit = shared.share(limit)  # Redis is down or slow: this process's part alone
         if limit is not None and key.in_flight >= limit:
-            raise RateLimited(
-                f"Concurrency limit of {limit} requests reached for this key.",
-                retry_after_s=1.0,
-            )
+            raise _limited(spec, "concurrency", 0.0)
         if key.bucket is not None:
             wait = key.bucket.wait()
             if wait > 0:
-                raise RateLimited(
-                    f"Tokens-per-minute limit of {key.spec.tokens_per_minute} reached for this "
-                    f"key; retry in {math.ceil(wait)} s.",
-                    retry_after_s=wait,
-                )
+                raise _limited(spec, "tpm", wait)
+        self._take(key, estimated_tokens)
+
+    @staticmethod
+    def _take(key: KeyState, estimated_tokens: float) -> None:
+        if key.bucket is not None:
             key.bucket.charge(estimated_tokens)
         key.in_flight += 1
 
-    @staticmethod
-    def release(identity: Identity, estimated_tokens: float, used_tokens: int | None) -> None:
+    def release(self, identity: Identity, estimated_tokens: float, used_tokens: int | None) -> None:
         """Give the slot back and correct the token charge with what was really used."""
         key = identity.key
         if key is None:
             return
         key.in_flight -= 1
-        if key.bucket is not None and used_tokens is not None:
-            key.bucket.charge(used_tokens - estimated_tokens)
+        extra = 0.0 if used_tokens is None else used_tokens - estimated_tokens
+        if key.bucket is not None:
+            key.bucket.charge(extra)
+        spec = key.spec
+        if self._shared is not None and (spec.max_concurrency or spec.tokens_per_minute):
+            self._shared.release(
+                spec.sha256, key.in_flight, spec.max_concurrency, spec.tokens_per_minute, extra
+            )
+
+
+def _limited(spec: ApiKeySpec, limit: str, wait_s: float) -> RateLimited:
+    """The 429 for a key over its ``concurrency`` or ``tpm`` limit."""
+    if limit == "concurrency":
+        return RateLimited(
+            f"Concurrency limit of {spec.max_concurrency} requests reached for this key.",
+            retry_after_s=1.0,
+        )
+    return RateLimited(
+        f"Tokens-per-minute limit of {spec.tokens_per_minute} reached for this key; retry in "
+        f"{math.ceil(wait_s)} s.",
+        retry_after_s=wait_s,
+    )
 
 
 def _header_bytes(value: str) -> bytes:

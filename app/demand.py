@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Mapping
+from typing import Protocol
 
 from app.settings import TierSpec
 from app.timing import Clock
@@ -33,6 +35,8 @@ _HELD_WEIGHT = 0.1
 # How long lower tiers yield after a higher tier had a request turned away.
 _SHORTAGE_S = 2.0
 _NOT_COMPUTED: tuple[float, dict[int, float]] = (-math.inf, {})
+WINDOWS_S = (_ACTIVE_S, *_SURGE_SPANS_S)
+"""Every window arrivals are counted over: the long one, then the surge spans."""
 
 
 class _Window:
@@ -58,6 +62,20 @@ class _Window:
         return counts
 
 
+class ArrivalCounts(Protocol):
+    """Arrivals at the rest of the fleet (other processes and replicas), as last read.
+
+    :class:`TierDemand` adds them to its own in every window: the slots kept for a tier are
+    then kept for its arrivals fleet-wide (:mod:`app.shared` reads them from Redis).
+    """
+
+    def counts(self, span_s: float, now: float) -> Mapping[int, int]:
+        """Arrivals elsewhere per tier priority over the last ``span_s`` (empty: unknown)."""
+
+    def oldest_age(self, now: float) -> float:
+        """Seconds since the oldest arrival elsewhere within the last ``WINDOWS_S[0]`` (0: none)."""
+
+
 class TierDemand:
     """Per tier priority: recent arrivals, how long a request holds a slot, recent shortages."""
 
@@ -69,6 +87,34 @@ class TierDemand:
         self._held: dict[int, float] = {}
         self._short_until: dict[int, float] = {}
         self._expected: tuple[float, dict[int, float]] = _NOT_COMPUTED
+        self.fleet: ArrivalCounts | None = None
+        """The rest of the fleet's arrivals, added to this process's own (None: alone)."""
+
+    def local_counts(self, now: float) -> tuple[dict[float, Counter[int]], float]:
+        """What this process publishes to the rest of the fleet.
+
+        Its own arrivals per tier priority in each window of ``WINDOWS_S``, and the seconds
+        since the oldest one of the long window (0 when none).
+        """
+        counts = {w.span: w.at(now) for w in (self._window, *self._spans)}
+        arrivals = self._window.arrivals
+        return counts, now - arrivals[0][0] if arrivals else 0.0
+
+    def _counts(self, window: _Window, now: float) -> Counter[int]:
+        """The window's arrivals here, plus the rest of the fleet's when they are known."""
+        counts = window.at(now)
+        fleet = None if self.fleet is None else self.fleet.counts(window.span, now)
+        if not fleet:
+            return counts
+        return counts + Counter(fleet)
+
+    def _first(self, now: float) -> float:
+        """When the oldest arrival of the long window came, here or elsewhere in the fleet."""
+        arrivals = self._window.arrivals
+        first = arrivals[0][0] if arrivals else now
+        if self.fleet is not None:
+            first = min(first, now - self.fleet.oldest_age(now))
+        return first
 
     def arrived(self, priority: int, now: float) -> None:
         """A request of tier ``priority`` arrived at ``now``."""
@@ -119,16 +165,16 @@ class TierDemand:
         """
         if self._expected[0] == now:
             return self._expected[1]
-        counts = self._window.at(now)
+        counts = self._counts(self._window, now)
         total = sum(counts.values())
         expected: dict[int, float] = {}
         if total:
-            first = self._window.arrivals[0][0]
+            first = self._first(now)
             span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - first))
             rates = {p: n / span for p, n in counts.items() if n}
             shares = {p: n / total for p, n in counts.items() if n}
             for window in self._spans:
-                latest = window.at(now)
+                latest = self._counts(window, now)
                 for priority, count in latest.items():
                     if _surge(count, counts[priority] / span * window.span):
                         rates[priority] = max(rates[priority], count / window.span)

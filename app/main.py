@@ -9,6 +9,7 @@ from app.app import create_app
 from app.server import GatewayServer, server_config
 from app.settings import Settings
 from app.shutdown import Shutdown
+from app.supervisor import process_count, supervise
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +29,43 @@ def raise_fd_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def main() -> None:
-    """Read settings from the environment and serve with uvicorn, uvloop and httptools."""
-    settings = Settings()
+def configure_logging(settings: Settings, processes: bool = False) -> None:
+    """Log lines to stderr; with several processes each line says which one (its pid)."""
+    pid = " [%(process)d]" if processes else ""
     logging.basicConfig(
         level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s",
+        force=True,
     )
     # httpx logs every request at INFO: several lines a second per worker from the load scrapes
     # and health probes alone. Failures are logged by the gateway itself.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def build_server(settings: Settings) -> GatewayServer:
+    """The gateway's server for ``settings``: the app, its drain, uvicorn's configuration."""
+    shutdown = Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
+    config = server_config(create_app(settings, shutdown=shutdown), settings)
+    return GatewayServer(config, shutdown)
+
+
+def main() -> None:
+    """Read settings from the environment and serve with uvicorn, uvloop and httptools.
+
+    From one process, or from ``GATEWAY_PROCESSES`` under :mod:`app.supervisor`.
+    """
+    settings = Settings()
+    processes = process_count(settings.processes)
+    configure_logging(settings, processes > 1)
     before, after = raise_fd_limit()
     if after != before:
         log.info("open files: soft limit raised from %d to the hard limit, %d", before, after)
     else:
         log.info("open files: limit %d", after)
-    shutdown = Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
-    config = server_config(create_app(settings, shutdown=shutdown), settings)
-    GatewayServer(config, shutdown).run()
+    if processes > 1:
+        supervise(settings, processes)
+    else:
+        build_server(settings).run()
 
 
 if __name__ == "__main__":

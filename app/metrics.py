@@ -3,18 +3,30 @@
 Label values are bounded by construction: ``model`` is a served model name or ``other``,
 ``endpoint`` and ``outcome`` are enums, ``status_class`` is ``2xx``..``5xx``, ``worker`` is a
 configured worker's label. Nothing a client controls freely becomes a label.
+
+With several processes (``GATEWAY_PROCESSES``), prometheus_client's multiprocess mode gives one
+``/metrics`` for the pod: every process writes its samples to files in the directory
+``PROMETHEUS_MULTIPROC_DIR`` (made by :mod:`app.supervisor`), and whichever process answers
+``/metrics`` merges them all. Counters and histograms add up; each gauge says how its
+processes' values combine (``multiprocess_mode``; ``live*`` modes forget a process that died):
+counts of requests add up (``livesum``), a worker's limits and learnt figures are the largest
+any process has (``livemax``), a scraped figure is the latest (``livemostrecent``).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import utils as prometheus_utils
+from prometheus_client import values as prometheus_values
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from app.loadsignals import LoadSample
@@ -28,6 +40,20 @@ from app.timing import TimingSummary
 _go_float: Callable[[float], str] = prometheus_utils.floatToGoString
 
 OTHER_MODEL = "other"
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's variable: the directory every process writes its samples to."""
+
+
+def multiprocess_dir() -> str | None:
+    """The directory of prometheus_client's multiprocess mode, if this process runs in it.
+
+    prometheus_client chooses where samples go (memory or files) when it is imported, from the
+    environment the supervisor gave the process.
+    """
+    path = os.environ.get(MULTIPROCESS_DIR)
+    return path if path and os.path.isdir(path) else None
+
+
 UPSTREAM_CONNECTIONS = "upstream_connections"
 """The ``resource`` of ``gateway_saturated_total``: the gateway's connections to the workers."""
 
@@ -58,6 +84,7 @@ class BatchHistogram(Collector):
         self._bounds = tuple(bounds)
         self._les = tuple(_go_float(b) for b in bounds)
         self._children: dict[tuple[str, ...], BatchHistogramChild] = {}
+        self._files = multiprocess_dir() is not None
         registry.register(self)
 
     def labels(self, *values: str) -> BatchHistogramChild:
@@ -66,7 +93,14 @@ class BatchHistogram(Collector):
         if child is None:
             if len(values) != len(self._labelnames):
                 raise ValueError(f"{self._name} takes labels {self._labelnames}")
-            child = self._children[values] = BatchHistogramChild(self._bounds)
+            if self._files:
+                child = FileBatchHistogramChild(
+                    self._bounds, self._les, self._name, self._documentation, self._labelnames,
+                    values,
+                )  # fmt: skip
+            else:
+                child = BatchHistogramChild(self._bounds)
+            self._children[values] = child
         return child
 
     def remove(self, *values: str) -> None:
@@ -119,12 +153,80 @@ class BatchHistogramChild:
         self.sum += total
 
 
+class FileBatchHistogramChild(BatchHistogramChild):
+    """A :class:`BatchHistogramChild` in multiprocess mode: its counts live in the files.
+
+    Written as prometheus_client's Histogram writes them (one value per bucket, not
+    cumulative, and the sum), so the multiprocess collector merges them with the other
+    processes'. A request's samples are counted first, then each bucket they fell in is
+    written once.
+    """
+
+    __slots__ = ("_bucket_values", "_sum_value")
+
+    def __init__(
+        self,
+        bounds: tuple[float, ...],
+        les: tuple[str, ...],
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        labelvalues: tuple[str, ...],
+    ) -> None:
+        super().__init__(bounds)
+        value = prometheus_values.ValueClass
+        self._sum_value = value(
+            "histogram", name, f"{name}_sum", labelnames, labelvalues, documentation
+        )
+        self._bucket_values = [
+            value(
+                "histogram",
+                name,
+                f"{name}_bucket",
+                (*labelnames, "le"),
+                (*labelvalues, le),
+                documentation,
+            )
+            for le in les
+        ]
+
+    def observe(self, value: float) -> None:
+        """Count one sample."""
+        self._bucket_values[bisect.bisect_left(self._bounds, value)].inc(1)
+        self._sum_value.inc(value)
+
+    def observe_all(self, values: Iterable[float]) -> None:
+        """Count every sample of ``values``."""
+        bounds, find = self._bounds, bisect.bisect_left
+        hits: Tally[int] = Tally()
+        total = 0.0
+        for value in values:
+            hits[find(bounds, value)] += 1
+            total += value
+        for index, count in hits.items():
+            self._bucket_values[index].inc(count)
+        if hits:
+            self._sum_value.inc(total)
+
+
 class GatewayMetrics:
-    """Every metric the gateway exports, registered on ``registry``."""
+    """Every metric the gateway exports, registered on ``registry``.
+
+    In multiprocess mode (:func:`multiprocess_dir`) they are registered on a registry of this
+    process that is never exposed; :attr:`registry`, the one ``/metrics`` exposes, then merges
+    every process's files.
+    """
 
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        reg = self.registry
+        path = multiprocess_dir()
+        self.multiprocess = path is not None
+        if path is not None:
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry, path)  # type: ignore[no-untyped-call]
+            reg = CollectorRegistry()
+        else:
+            self.registry = registry if registry is not None else CollectorRegistry()
+            reg = self.registry
         by_model = ["model"]
         by_tier = ["model", "tier"]
         self.requests = Counter(
@@ -142,7 +244,11 @@ class GatewayMetrics:
             registry=reg,
         )  # fmt: skip
         self.in_flight = Gauge(
-            "gateway_in_flight_requests", "Requests being served now.", by_tier, registry=reg
+            "gateway_in_flight_requests",
+            "Requests being served now.",
+            by_tier,
+            multiprocess_mode="livesum",
+            registry=reg,
         )
         self.ttft = Histogram(
             "gateway_time_to_first_token_seconds",
@@ -187,11 +293,11 @@ class GatewayMetrics:
         by_worker = ["worker"]
         self.worker_up = Gauge(
             "gateway_worker_up", "1 if the worker is healthy: answers its probe, not ejected.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_ejected = Gauge(
             "gateway_worker_ejected", "1 while passive health keeps the worker out of rotation.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_ejections = Counter(
             "gateway_worker_ejections", "Times the worker was ejected after repeated failures.",
@@ -208,23 +314,23 @@ class GatewayMetrics:
         )  # fmt: skip
         self.worker_running = Gauge(
             "gateway_worker_running_requests", "vllm:num_requests_running, as last scraped.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemostrecent", registry=reg,
         )  # fmt: skip
         self.worker_waiting = Gauge(
             "gateway_worker_waiting_requests", "vllm:num_requests_waiting, as last scraped.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemostrecent", registry=reg,
         )  # fmt: skip
         self.worker_kv_cache = Gauge(
             "gateway_worker_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc (0..1), as scraped.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemostrecent", registry=reg,
         )  # fmt: skip
         self.worker_load_age = Gauge(
             "gateway_worker_load_age_seconds", "Age of the worker's load figures at export time.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemin", registry=reg,
         )  # fmt: skip
         self.worker_in_flight = Gauge(
             "gateway_worker_in_flight_requests", "Requests the gateway has open on the worker.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livesum", registry=reg,
         )  # fmt: skip
         self.worker_ttft = Histogram(
             "gateway_worker_time_to_first_token_seconds",
@@ -242,51 +348,53 @@ class GatewayMetrics:
         self.worker_roofline = Gauge(
             "gateway_worker_decode_roofline_tokens_per_second",
             "Memory-bandwidth limit of the worker's decode tokens/s for its current batch.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemostrecent", registry=reg,
         )  # fmt: skip
         self.worker_bandwidth = Gauge(
             "gateway_worker_memory_bandwidth_bytes_per_second",
-            "The worker's configured memory bandwidth (per GPU).", by_worker, registry=reg,
+            "The worker's configured memory bandwidth (per GPU).", by_worker,
+            multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_peak_flops = Gauge(
             "gateway_worker_peak_flops_per_second",
-            "The worker's configured peak FLOP/s (per GPU).", by_worker, registry=reg,
+            "The worker's configured peak FLOP/s (per GPU).", by_worker,
+            multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_concurrency_limit = Gauge(
             "gateway_worker_concurrency_limit",
             "Most requests admission lets run on the worker (keeps the strictest TPOT target).",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_decode_pace = Gauge(
             "gateway_worker_decode_pace_seconds",
             "Mean gap per token between output events of the worker's running streams, over "
             "the last few seconds (cuts the concurrency limit when over the strictest TPOT).",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_prefill_limit = Gauge(
             "gateway_worker_prefill_concurrency_limit",
             "Most requests admission lets prefill on the worker at once (keeps TTFT short).",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_prefilling = Gauge(
             "gateway_worker_prefilling_requests",
             "Requests sent to the worker that have not produced their first token yet.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livesum", registry=reg,
         )  # fmt: skip
         self.worker_prefill_rate = Gauge(
             "gateway_worker_prefill_tokens_per_second",
             "Learnt prefill speed of the worker (inverse of the TTFT model's per-token slope).",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_decode_step = Gauge(
             "gateway_worker_decode_step_seconds",
             "Learnt TPOT model: time per decode step with one sequence running.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_decode_per_sequence = Gauge(
             "gateway_worker_decode_seconds_per_sequence",
             "Learnt TPOT model: how much each running sequence adds to a decode step.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_prefix_queries = Counter(
             "gateway_worker_prefix_query_tokens",
@@ -319,7 +427,7 @@ class GatewayMetrics:
         )  # fmt: skip
         self.queue_depth = Gauge(
             "gateway_queue_depth", "Requests waiting in the admission queue.", by_tier_only,
-            registry=reg,
+            multiprocess_mode="livesum", registry=reg,
         )  # fmt: skip
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds", "Time spent in the admission queue by queued requests.",
@@ -342,20 +450,20 @@ class GatewayMetrics:
         )  # fmt: skip
         self.goodput_ratio = Gauge(
             "gateway_goodput_ratio", "Share of requests meeting every SLO over the last minute.",
-            by_tier_only, registry=reg,
+            by_tier_only, multiprocess_mode="liveall", registry=reg,
         )  # fmt: skip
         self.tier_ttft_slo = Gauge(
             "gateway_tier_slo_ttft_seconds", "The tier's TTFT target.", by_tier_only,
-            registry=reg,
+            multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.tier_objective = Gauge(
             "gateway_slo_objective",
             "Share of the tier's requests that must meet every SLO (the goodput objective).",
-            by_tier_only, registry=reg,
+            by_tier_only, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.tier_tpot_slo = Gauge(
             "gateway_tier_slo_tpot_seconds", "The tier's TPOT target.", by_tier_only,
-            registry=reg,
+            multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.saturated = Counter(
             "gateway_saturated",
@@ -366,12 +474,24 @@ class GatewayMetrics:
         # Unlabelled, so they exist at zero: an alert on "no worker" needs a series that says 0.
         self.workers_known = Gauge(
             "gateway_workers_known", "Workers the gateway knows (configured or discovered).",
-            registry=reg,
+            multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.workers_healthy = Gauge(
             "gateway_workers_healthy", "Workers that may take requests now: up, not ejected, "
-            "not draining.", registry=reg,
+            "not draining.", multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
+        # Only with Redis configured: without it there is nothing shared to be down.
+        self.shared_state_up = (
+            Gauge(
+                "gateway_shared_state_up",
+                "1 while Redis (GATEWAY_REDIS_URL) answers: key limits and admission's views are "
+                "the fleet's. 0 while the gateway uses its own (the lowest of its processes).",
+                multiprocess_mode="livemin",
+                registry=reg,
+            )
+            if settings.redis_url
+            else None
+        )
         for tier in settings.tiers:
             # Exported at zero from the start: rate() counts only increases between scrapes, so
             # a series that first appears with its first burst of events shows no rate for it.
@@ -492,8 +612,15 @@ class GatewayMetrics:
         self.worker_roofline.labels(worker).set(batch * bandwidth / step_bytes)
 
     def forget_worker(self, worker: str) -> None:
-        """Drop a removed worker's series, so departed workers do not pile up."""
+        """Drop a removed worker's series, so departed workers do not pile up.
+
+        prometheus_client's multiprocess mode cannot drop a series: there its gauges go to 0
+        (not up, nothing in flight) and stay until the process ends.
+        """
         self._load_at.pop(worker, None)
         for metric in self._worker_metrics:
-            with contextlib.suppress(KeyError):
-                metric.remove(worker)
+            if not self.multiprocess:
+                with contextlib.suppress(KeyError):
+                    metric.remove(worker)
+            elif isinstance(metric, Gauge):
+                metric.labels(worker).set(0)

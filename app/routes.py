@@ -78,7 +78,7 @@ async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> R
         charged = own_tokens
         if cost is Cost.DECODE:
             charged += float(parsed.max_tokens or 0) * parsed.n
-        state.auth.acquire(identity, charged)
+        await state.auth.acquire(identity, charged)
     except GatewayError as exc:
         summary = timer.summary(None)
         end = RequestEnd(

@@ -366,6 +366,29 @@ class Settings(BaseSettings):
         "comma-separated, e.g. https://chat.example.com; `*` allows any. Empty: CORS is off "
         "and browsers' preflights get 405.",
     )
+    processes: int | Literal["auto"] = Field(
+        default=1,
+        description="Gateway processes serving the port (one per core with `auto`, within the "
+        "container's CPU limit). A dead one is replaced; /metrics shows the pod's totals.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis shared by every process and replica (redis://host:6379/0): per-key "
+        "limits, requests in flight per worker and each tier's arrivals hold fleet-wide. Unset: "
+        "each process keeps its own.",
+    )
+    redis_timeout_s: float = Field(
+        default=0.05,
+        gt=0,
+        description="Budget of every Redis call; past it, or with Redis down, the process uses "
+        "its own limits and views until Redis answers again (gateway_shared_state_up 0).",
+    )
+    redis_sync_interval_s: float = Field(
+        default=0.2,
+        gt=0,
+        description="How often each process publishes its requests in flight per worker and "
+        "its arrivals per tier to Redis, and reads everybody else's.",
+    )
     access_log: bool = Field(default=True, description="One log line per finished request.")
     log_level: str = Field(default="info", description="Python logging level.")
 
@@ -389,6 +412,22 @@ class Settings(BaseSettings):
     def _buckets(cls, value: tuple[float, ...]) -> tuple[float, ...]:
         if not value or any(b <= 0 for b in value) or list(value) != sorted(set(value)):
             raise ValueError("buckets must be positive, strictly increasing and non-empty")
+        return value
+
+    @field_validator("processes")
+    @classmethod
+    def _processes(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("processes must be at least 1, or auto")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         return value
 
     @property

@@ -79,6 +79,10 @@ class Worker:
         """Running average of prompt + completion tokens per request (for the roofline)."""
         self.own_at_scrape = 0
         """``in_flight`` when ``load`` was read: the rest of what it counted is others'."""
+        self.fleet_others = 0.0
+        """Requests the fleet's other gateway processes have open here, as last read from Redis."""
+        self.fleet_until = -math.inf
+        """Until when ``fleet_others`` counts (a reading goes stale when Redis is not read)."""
         self.fingerprint: bytes | None = None
         """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
         self.prefixes = PrefixIndex()
@@ -101,17 +105,27 @@ class Worker:
         self.in_flight += delta
 
     def others(self, now: float, max_age: float) -> float:
-        """Requests on the worker that are not this gateway's, from a fresh load sample.
+        """Requests on the worker that are not this gateway process's.
 
-        Running and waiting as the worker counted them, less what this gateway had in flight
-        then: other replicas' requests. Requests this gateway dispatched or finished since are
-        in ``in_flight`` already, so ``in_flight + others`` is the scrape plus the credit of
-        what changed since (a stale scrape cannot over-admit).
+        The larger of two views. From a fresh load sample: running and waiting as the worker
+        counted them, less what this process had in flight then (other processes', other
+        replicas' and any other client's requests). Requests this process dispatched or
+        finished since are in ``in_flight`` already, so ``in_flight + others`` is the scrape
+        plus the credit of what changed since (a stale scrape cannot over-admit). And, with
+        shared state (:mod:`app.shared`), what the fleet's other gateway processes have open
+        here now, read within a sync or two: fresher than a scrape, but blind to clients that
+        bypass the gateway. Neither alone undercounts what it sees.
         """
+        fleet = self.fleet_others if now <= self.fleet_until else 0.0
         sample = self.load
         if sample is None or now - sample.at > max_age:
-            return 0.0
-        return max(0.0, sample.running + sample.waiting - self.own_at_scrape)
+            return fleet
+        return max(fleet, sample.running + sample.waiting - self.own_at_scrape)
+
+    def set_fleet_others(self, others: float, now: float, fresh_s: float) -> None:
+        """The fleet's other gateway processes have ``others`` requests open here (read now)."""
+        self.fleet_others = others
+        self.fleet_until = now + fresh_s
 
     def saturated(self, now: float, max_age: float, waiting: float, kv_cache: float) -> bool:
         """Whether the worker says it is full (fresh figures only).

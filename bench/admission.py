@@ -19,6 +19,10 @@ Every request streams a chat completion of a ~350-900-token prompt and 64 tokens
 3. Cold start: a fresh gateway, no warm-up, 64 streams at once (on and off).
 4. Bursty: a fresh gateway, no warm-up, 5 s at 2x capacity then 5 s at 0.25x, four times.
 
+With ``--processes N`` every gateway serves from N processes (``GATEWAY_PROCESSES``) sharing
+state through a redis-server started for the session (``GATEWAY_REDIS_URL``, emptied before
+each gateway): the same runs and targets, through a scaled-out pod.
+
 Per run it reports goodput (requests that met every SLO of their tier, per second of
 arrivals), SLO attainment (met / sent), TTFT and TPOT p50/p99 of the answered requests,
 rejections (429/503 answers) and lost requests (no HTTP answer at all). Prints markdown tables
@@ -36,9 +40,11 @@ import json
 import math
 import random
 import secrets
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,6 +65,7 @@ from bench.live import (
     write_json,
 )
 from bench.overhead import free_port, percentile
+from scripts.redis_server import RedisServer
 
 TIERS: dict[str, TierSpec] = {tier.name: tier for tier in DEFAULT_TIERS}
 MIX = (("interactive", 0.3), ("standard", 0.5), ("batch", 0.2))
@@ -380,19 +387,31 @@ def checks(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 class Bench:
     """The gateways and client of one benchmark session."""
 
-    def __init__(self, args: argparse.Namespace, urls: Sequence[str]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, urls: Sequence[str], redis: RedisServer | None = None
+    ) -> None:
         self.args = args
+        self.redis = redis
         self.keys = {tier: f"sk-bench-{tier}-{secrets.token_hex(8)}" for tier in TIERS}
         key_specs = [
             {"sha256": hashlib.sha256(k.encode()).hexdigest(), "tier": t, "name": f"bench-{t}"}
             for t, k in self.keys.items()
         ]
         self.env = {"GATEWAY_WORKERS": ",".join(urls), "GATEWAY_API_KEYS": json.dumps(key_specs)}
+        if redis is not None:
+            self.env["GATEWAY_PROCESSES"] = str(args.processes)
+            self.env["GATEWAY_REDIS_URL"] = redis.url
 
-    def gateway(self, mode: str, name: str) -> contextlib.AbstractContextManager[str]:
-        """A fresh gateway with admission ``on`` or ``off``."""
+    @contextlib.contextmanager
+    def gateway(self, mode: str, name: str) -> Iterator[str]:
+        """A fresh gateway with admission ``on`` or ``off`` (and a Redis emptied for it)."""
         env = {**self.env, "GATEWAY_ADMISSION": "true" if mode == "on" else "false"}
-        return running_gateway(env, free_port(), f"admission-{name}-{mode}")
+        if self.redis is not None:
+            self.redis.command("FLUSHALL")
+        with running_gateway(env, free_port(), f"admission-{name}-{mode}") as url:
+            if self.redis is not None:
+                await_processes(self.redis, self.args.processes)
+            yield url
 
     async def compare(
         self,
@@ -425,9 +444,35 @@ class Bench:
         return {"name": name, "results": results, "requests": raw, "timeline": timelines}
 
 
-async def run(args: argparse.Namespace, urls: Sequence[str]) -> dict[str, Any]:
+def await_processes(redis: RedisServer, processes: int, timeout: float = 60.0) -> None:
+    """Wait until all of a gateway's ``processes`` publish to Redis (every one serves)."""
+    deadline = time.monotonic() + timeout
+    while redis.command("ZCARD", "goodput:processes") != f":{processes}".encode():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway's {processes} processes never all reached Redis")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def shared_state(processes: int) -> Iterator[RedisServer | None]:
+    """A redis-server for the session's gateways when they run several processes."""
+    if processes <= 1:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
+        redis = RedisServer(Path(directory))
+        redis.start()
+        try:
+            yield redis
+        finally:
+            redis.stop()
+
+
+async def run(
+    args: argparse.Namespace, urls: Sequence[str], redis: RedisServer | None = None
+) -> dict[str, Any]:
     """Calibrate, then compare admission on and off over the load range and the extra runs."""
-    bench = Bench(args, urls)
+    bench = Bench(args, urls, redis)
     rng = random.Random(args.seed)
     steps: list[dict[str, float]] = []
     with bench.gateway("off", "calibration") as gw:
@@ -497,6 +542,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workers",
         help="comma-separated URLs of running workers serving bench-llama (default: start two)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="gateway processes (GATEWAY_PROCESSES), sharing state through a redis-server",
+    )
     return parser.parse_args(argv)
 
 
@@ -506,15 +557,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     unwind_on_sigterm()
     # Both workers on all CPUs but one (the default): at several times capacity the gateway
     # and this client need a core of their own, or they, not the workers, are the bottleneck.
-    if args.workers:
-        report = asyncio.run(run(args, args.workers.split(",")))
-    else:
-        specs = [bench_worker(free_port()) for _ in range(2)]
-        with running_workers(specs) as workers:
-            report = asyncio.run(run(args, [w.url for w in workers]))
+    with shared_state(args.processes) as redis:
+        if args.workers:
+            report = asyncio.run(run(args, args.workers.split(","), redis))
+        else:
+            specs = [bench_worker(free_port()) for _ in range(2)]
+            with running_workers(specs) as workers:
+                report = asyncio.run(run(args, [w.url for w in workers], redis))
+    pod = (
+        f"a gateway of {args.processes} processes sharing state through Redis"
+        if args.processes > 1
+        else "a one-process gateway"
+    )
     print(
         f"\nTwo {BENCH_MODEL} workers sharing one core (the other is the gateway's and the "
-        f"client's). Capacity (highest Poisson rate at which 90% of interactive requests "
+        f"client's), {pod}. Capacity (highest Poisson rate at which 90% of interactive requests "
         f"met their SLO through a pass-through gateway): {report['capacity_rps']:.2f} req/s. "
         f"Each run: the same arrivals through a fresh gateway with admission on and off; "
         f"{args.duration:.0f} s of Poisson arrivals per load, 30% interactive / 50% standard / "
@@ -530,7 +587,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.modes == "on,off":
         print()
         print("\n".join(checks(report["runs"])))
-    path = write_json("admission", report)
+    path = write_json(
+        "admission" if args.processes <= 1 else f"admission-processes{args.processes}", report
+    )
     print(f"\nwritten to {path}")
 
 

@@ -30,6 +30,9 @@ MT = 'model=~"$model",tier=~"$tier"'
 T = 'tier=~"$tier"'
 M = 'model=~"$model"'
 W = 'worker=~"$worker"'
+# One gateway replica (or several), where one matters: limits each replica learns for itself.
+INST = 'instance=~"$instance"'
+WI = f"{W},{INST}"
 VW = 'worker=~"$worker",model_name=~"$model"'
 SLO = "gateway_slo_requests_total"
 
@@ -566,10 +569,24 @@ def overview() -> Json:
         panel(
             "timeseries",
             "Requests in flight",
-            "Requests being served now (dispatched or streaming), per tier.",
+            "Requests being served now (dispatched or streaming), per tier, by every replica and "
+            "process together.",
             refs([(f"sum by (tier) (gateway_in_flight_requests{{{MT}}})", "{{tier}}")]),
-            width=24,
+            width=16,
             height=6,
+        ),
+        panel(
+            "state-timeline",
+            "Shared state (Redis)",
+            "gateway_shared_state_up: 1 while Redis (GATEWAY_REDIS_URL) answers and key limits "
+            "and admission's views are the fleet's, 0 while a process of one of the gateway "
+            "instances selected runs on its own (select one instance to see which). No data: "
+            "the gateway runs without Redis.",
+            refs([(f"min(gateway_shared_state_up{{{INST}}})", "shared state")]),
+            unit="bool",
+            width=8,
+            height=6,
+            thresholds=[("red", None), ("green", 1)],
         ),
         row("Admission"),
         panel(
@@ -727,6 +744,7 @@ def overview() -> Json:
         [
             query_variable("model", "Model", "gateway_requests_total", "model"),
             query_variable("tier", "Tier", "gateway_requests_total", "tier"),
+            query_variable("instance", "Gateway", "gateway_workers_known", "instance"),
         ],
         panels,
     )
@@ -831,7 +849,8 @@ def workers() -> Json:
             "timeseries",
             "Running and waiting requests (gateway's view)",
             "The worker's running and waiting requests as the gateway last scraped them (the "
-            "routing and admission inputs), and the requests the gateway has open on it.",
+            "routing and admission inputs), and the requests the gateway has open on it (every "
+            "replica and process of the gateway instances selected together).",
             refs(
                 [
                     (
@@ -843,7 +862,7 @@ def workers() -> Json:
                         "waiting {{worker}}",
                     ),
                     (
-                        f"max by (worker) (gateway_worker_in_flight_requests{{{W}}})",
+                        f"sum by (worker) (gateway_worker_in_flight_requests{{{WI}}})",
                         "gateway in flight {{worker}}",
                     ),
                 ]
@@ -877,23 +896,25 @@ def workers() -> Json:
             "from measured latency: the concurrency limit (follows TPOT against the strictest "
             "TPOT target) and the prefill limit (follows the worker's time to first token), with "
             "the requests still prefilling. Open requests at the limit mean the gateway's queue, "
-            "not the worker's, holds the backlog.",
+            "not the worker's, holds the backlog. Open and prefilling requests add up over the "
+            "gateway instances selected; each instance learns its own limits (the highest is "
+            "shown): select one instance to see its own.",
             refs(
                 [
                     (
-                        f"max by (worker) (gateway_worker_in_flight_requests{{{W}}})",
+                        f"sum by (worker) (gateway_worker_in_flight_requests{{{WI}}})",
                         "open {{worker}}",
                     ),
                     (
-                        f"max by (worker) (gateway_worker_concurrency_limit{{{W}}})",
+                        f"max by (worker) (gateway_worker_concurrency_limit{{{WI}}})",
                         "limit {{worker}}",
                     ),
                     (
-                        f"max by (worker) (gateway_worker_prefilling_requests{{{W}}})",
+                        f"sum by (worker) (gateway_worker_prefilling_requests{{{WI}}})",
                         "prefilling {{worker}}",
                     ),
                     (
-                        f"max by (worker) (gateway_worker_prefill_concurrency_limit{{{W}}})",
+                        f"max by (worker) (gateway_worker_prefill_concurrency_limit{{{WI}}})",
                         "prefill limit {{worker}}",
                     ),
                 ]
@@ -910,7 +931,7 @@ def workers() -> Json:
             refs(
                 [
                     (
-                        f"max by (worker) (gateway_worker_decode_pace_seconds{{{W}}})",
+                        f"max by (worker) (gateway_worker_decode_pace_seconds{{{WI}}})",
                         "pace {{worker}}",
                     ),
                     ("min(gateway_tier_slo_tpot_seconds)", "TPOT target"),
@@ -1108,6 +1129,7 @@ def workers() -> Json:
         "roofline (MFU and MBU from the engine's own FLOPs and bytes counters).",
         [
             query_variable("worker", "Worker", "gateway_worker_up", "worker"),
+            query_variable("instance", "Gateway", "gateway_workers_known", "instance"),
             query_variable("model", "Model", "vllm:num_requests_running", "model_name"),
         ],
         panels,

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from scripts.redis_server import RedisServer
 from tests.servers import free_port
 
 
@@ -60,6 +62,17 @@ def vllm_pooling_url() -> Iterator[str]:
 
 POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--enforce-eager")
 _WORKER_FIXTURES = frozenset({"vllm_worker_url", "vllm_pooling_url"})
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of this test's own (``make redis`` installs it), stopped after it."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -693,7 +693,7 @@ def test_keys_map_to_tiers_and_may_only_ask_for_lower_ones(tmp_path: Path) -> No
         open_auth.identify(None, "interactive")
 
 
-def test_per_key_concurrency_and_tokens_per_minute() -> None:
+async def test_per_key_concurrency_and_tokens_per_minute() -> None:
     clock = FakeClock()
     settings = settings_for(
         "http://a:1",
@@ -701,23 +701,23 @@ def test_per_key_concurrency_and_tokens_per_minute() -> None:
     )
     auth = Authenticator(settings, clock)
     me = auth.identify("Bearer k", None)
-    auth.acquire(me, 100)
-    auth.acquire(me, 100)
+    await auth.acquire(me, 100)
+    await auth.acquire(me, 100)
     with pytest.raises(RateLimited) as caught:
-        auth.acquire(me, 100)
+        await auth.acquire(me, 100)
     assert caught.value.code == "key_quota"
     auth.release(me, 100, 100)
     auth.release(me, 100, 800)  # used far more than estimated: 700 more tokens owed
     # 600 - 200 - 700 = -300 tokens: at 10 tokens/s the key is out of debt in ~30 s.
     with pytest.raises(RateLimited) as limited:
-        auth.acquire(me, 50)
+        await auth.acquire(me, 50)
     assert limited.value.retry_after_s == pytest.approx(30.1)
     assert limited.value.headers()["retry-after"] == "31"
     clock.now += 20
     with pytest.raises(RateLimited):
-        auth.acquire(me, 50)
+        await auth.acquire(me, 50)
     clock.now += 11
-    auth.acquire(me, 50)
+    await auth.acquire(me, 50)
 
 
 def test_token_bucket_refills_to_capacity_only() -> None:

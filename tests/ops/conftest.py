@@ -1,6 +1,9 @@
 """Live fixture for tests/ops/test_live_dashboards.py: the gateway as its own process.
 
-The real vLLM worker it fronts (``vllm_worker_url``) comes from tests/conftest.py.
+The real vLLM worker it fronts (``vllm_worker_url``) comes from tests/conftest.py. The gateway
+runs as a scaled-out pod does: two processes (one /metrics in prometheus_client's
+multiprocess mode) sharing state through a redis-server of its own, so the dashboards are
+checked against what several processes export.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import httpx
 import pytest
 
 from scripts.processes import stop_process
+from scripts.redis_server import RedisServer
 from scripts.vllm_worker import TINY_LLAMA_HARDWARE
 from tests.ops.support import LIVE_API_KEY_SHA256, REPO
 from tests.servers import free_port
@@ -28,6 +32,8 @@ def live_gateway_url(
 ) -> Iterator[str]:
     """``python -m app`` on a free port in front of the worker, ready (/readyz 200)."""
     port = free_port()
+    redis = RedisServer(tmp_path_factory.mktemp("redis"))
+    redis.start()
     env = {
         **os.environ,
         "GATEWAY_HOST": "127.0.0.1",
@@ -36,6 +42,8 @@ def live_gateway_url(
         "GATEWAY_ACCESS_LOG": "false",
         # The Workers dashboard's predicted prefix-cache hit rate needs prefix-aware routing.
         "GATEWAY_ROUTING": "prefix_aware",
+        "GATEWAY_PROCESSES": "2",
+        "GATEWAY_REDIS_URL": redis.url,
         # Roofline figures, so the Workers dashboard's bandwidth panels have data.
         "GATEWAY_HARDWARE": json.dumps(TINY_LLAMA_HARDWARE),
         # Fewer slots than the load's concurrency, so some requests wait in the admission queue
@@ -66,3 +74,4 @@ def live_gateway_url(
         yield url
     finally:
         stop_process(process, grace=35)
+        redis.stop()

@@ -73,6 +73,7 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_slo_objective": ("tier",),
     "gateway_workers_known": (),
     "gateway_workers_healthy": (),
+    "gateway_shared_state_up": (),
     "gateway_tier_slo_tpot_seconds": ("tier",),
 }
 HISTOGRAMS: dict[str, tuple[str, ...]] = {

@@ -106,7 +106,7 @@ def _config(*profiles: str) -> dict[str, Any]:
 
 def test_compose_default_profile_runs_the_cpu_worker() -> None:
     services = _config()["services"]
-    assert set(services) == {"gateway", "vllm", "prometheus", "grafana"}
+    assert set(services) == {"gateway", "vllm", "prometheus", "grafana", "redis"}
     vllm = services["vllm"]
     assert "vllm-cpu" in vllm["image"]
     assert vllm["environment"] == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
@@ -168,14 +168,35 @@ def test_compose_services_are_healthchecked_and_wait_for_health() -> None:
     assert {name: dep["condition"] for name, dep in gateway.items()} == {
         "vllm": "service_healthy",
         "vllm-gpu": "service_healthy",
+        "redis": "service_healthy",
     }
     # Only the worker that runs is waited for: the other one is optional.
-    assert all(dep["required"] is False for dep in gateway.values())
+    assert gateway["vllm"]["required"] is False
+    assert gateway["vllm-gpu"]["required"] is False
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
     assert services["prometheus"]["depends_on"]["gateway"]["condition"] == "service_healthy"
-    for name in ("gateway", "prometheus", "grafana"):
+    for name in ("gateway", "prometheus", "grafana", "redis"):
         assert services[name]["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in services[name]["security_opt"], name
+
+
+def test_compose_gateway_runs_processes_sharing_state_through_an_unpublished_redis() -> None:
+    """Several gateway processes share key limits and views through the redis service, which
+    only the compose network reaches, runs as its image's unprivileged user on a read-only
+    file system and saves nothing."""
+    services = _config()["services"]
+    env = services["gateway"]["environment"]
+    assert int(env["GATEWAY_PROCESSES"]) >= 2
+    assert env["GATEWAY_REDIS_URL"] == "redis://redis:6379/0"
+    redis = services["redis"]
+    assert "ports" not in redis
+    assert redis["read_only"] is True
+    assert redis["user"] == "10001:10001"
+    command = redis["command"]
+    assert command[0] == "redis-server"
+    assert command[command.index("--save") + 1] == ""
+    assert command[command.index("--appendonly") + 1] == "no"
+    assert redis["tmpfs"] == ["/data"]
 
 
 def _seconds(duration: str) -> float:

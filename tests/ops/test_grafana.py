@@ -13,6 +13,7 @@ import pytest
 from scripts import gen_dashboards
 from tests.ops.support import (
     REPO,
+    TARGET_LABELS,
     contract_series,
     contract_violations,
     dump_yaml,
@@ -26,8 +27,8 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms", "__range_s"}
 # Which template variables each dashboard must offer.
 REQUIRED_VARIABLES = {
-    "goodput-gateway-overview": {"datasource", "model", "tier"},
-    "goodput-gateway-workers": {"datasource", "worker", "model"},
+    "goodput-gateway-overview": {"datasource", "model", "tier", "instance"},
+    "goodput-gateway-workers": {"datasource", "worker", "model", "instance"},
 }
 
 
@@ -154,7 +155,7 @@ def test_template_variables_exist_are_used_and_query_the_contract() -> None:
                 assert board["uid"] == "goodput-gateway-workers"
             else:
                 assert metric in series, var["definition"]
-                assert label in series[metric], var["definition"]
+                assert label in series[metric] | TARGET_LABELS, var["definition"]
             assert var["datasource"] == DATASOURCE
 
 
@@ -270,6 +271,55 @@ def test_healthy_workers_counts_each_worker_once_across_gateway_replicas(tmp_pat
         ],
     }
     path = tmp_path / "healthy_test.yml"
+    path.write_text(dump_yaml(tests))
+    result = subprocess.run(
+        [tool("promtool"), "test", "rules", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_requests_open_on_a_worker_add_up_across_gateway_replicas(tmp_path: Path) -> None:
+    """Two gateway replicas (each the sum of its own processes) have 3 and 2 requests open on
+    worker a and learnt limits of 8 and 10: the panel shows 5 open (the highest replica's 3
+    hid two), against the highest limit, 10; with one replica selected, its own."""
+    board = _boards()["gateway-workers.json"]
+    (panel,) = [p for p in _panels(board) if p["title"] == "Admission limits"]
+    exprs = {t["legendFormat"]: t["expr"].replace('worker=~"$worker"', 'worker=~".*"')
+             for t in panel["targets"]}  # fmt: skip
+    series = [
+        ("gateway_worker_in_flight_requests", "gw-1", "3"),
+        ("gateway_worker_in_flight_requests", "gw-2", "2"),
+        ("gateway_worker_concurrency_limit", "gw-1", "8"),
+        ("gateway_worker_concurrency_limit", "gw-2", "10"),
+    ]
+    cases = (
+        (".*", "open {{worker}}", 5),
+        (".*", "limit {{worker}}", 10),
+        ("gw-1", "open {{worker}}", 3),
+        ("gw-1", "limit {{worker}}", 8),
+    )
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [
+                    {"series": f'{name}{{instance="{gw}",worker="a"}}', "values": f"{value}x4"}
+                    for name, gw, value in series
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": exprs[legend].replace("$instance", instance),
+                        "eval_time": "30s",
+                        "exp_samples": [{"labels": '{worker="a"}', "value": expected}],
+                    }
+                    for instance, legend, expected in cases
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "open_test.yml"
     path.write_text(dump_yaml(tests))
     result = subprocess.run(
         [tool("promtool"), "test", "rules", str(path)], capture_output=True, text=True

@@ -209,6 +209,48 @@ def test_gateway_deployment_is_probed_bounded_and_hardened(overlay: str) -> None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_processes_share_state_through_a_hardened_redis(overlay: str) -> None:
+    """Every replica runs one process per core of its CPU limit, and all of them share key
+    limits and views through the Redis Service, which only the gateway may reach."""
+    config = _one(overlay, "ConfigMap", "goodput-gateway")["data"]
+    assert config["GATEWAY_PROCESSES"] == "auto"
+    service = _one(overlay, "Service", "goodput-redis")
+    (port,) = service["spec"]["ports"]
+    assert config["GATEWAY_REDIS_URL"] == f"redis://goodput-redis:{port['port']}/0"
+    redis = _one(overlay, "Deployment", "goodput-redis")
+    pod = redis["spec"]["template"]["spec"]
+    assert (
+        service["spec"]["selector"].items()
+        <= redis["spec"]["template"]["metadata"]["labels"].items()
+    )
+    container = _container(redis)
+    (container_port,) = container["ports"]
+    assert container_port["name"] == port["targetPort"]
+    assert container_port["containerPort"] == port["port"]
+    assert container["image"].startswith("docker.io/library/redis:")
+    assert container["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    assert container["args"][container["args"].index("--save") + 1] == ""
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(container["resources"][kind])
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["automountServiceAccountToken"] is False
+    policy = _one(overlay, "NetworkPolicy", "goodput-redis")
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "goodput-redis"
+    }
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "goodput-gateway"}}}
+    ]
+    assert rule["ports"] == [{"port": port["port"], "protocol": "TCP"}]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_gateway_finds_workers_through_the_headless_service(overlay: str) -> None:
     config = _one(overlay, "ConfigMap", "goodput-gateway")["data"]
     service = _one(overlay, "Service", "vllm-workers")
