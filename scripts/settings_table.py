@@ -1,4 +1,4 @@
-"""Print the README configuration table (`python -m scripts.settings_table`)."""
+"""Print the configuration table of docs/configuration.md (`python -m scripts.settings_table`)."""
 
 from __future__ import annotations
 
