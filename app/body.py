@@ -7,6 +7,7 @@ its chunks while its text fields are parsed on the way (:func:`read_form`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from python_multipart.exceptions import FormParserError
@@ -28,10 +29,18 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     headers is :class:`ClientStalled` (408): a client trickling its body would otherwise hold
     its connection, and the request's place, for as long as it likes.
     """
+    chunks: list[bytes] = []
+    await _read(request, limit, timeout_s, chunks.append)
+    return b"".join(chunks)
+
+
+async def _read(
+    request: Request, limit: int, timeout_s: float, take: Callable[[bytes], None]
+) -> None:
+    """Hand each chunk of the body to ``take``, within the limits of :func:`read_body`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(_too_large(limit))
-    chunks: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(timeout_s):
@@ -39,12 +48,12 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 size += len(chunk)
                 if size > limit:
                     raise BodyTooLarge(_too_large(limit))
-                chunks.append(chunk)
+                if chunk:
+                    take(chunk)
     except ClientDisconnect as exc:
         raise InvalidRequest("The client disconnected while sending the body.") from exc
     except TimeoutError as exc:
         raise ClientStalled(f"The request body did not arrive within {timeout_s:g} s.") from exc
-    return b"".join(chunks)
 
 
 def _too_large(limit: int) -> str:
@@ -73,27 +82,17 @@ async def read_form(
             "Request body must be multipart/form-data with a boundary.",
             code="invalid_content_type",
         )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(_too_large(limit))
     fields = _FormFields(wanted)
     parser = MultipartParser(boundary, fields.callbacks())
     chunks: list[bytes] = []
-    size = 0
+
+    def take(chunk: bytes) -> None:
+        chunks.append(chunk)
+        parser.write(chunk)
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(_too_large(limit))
-                if chunk:
-                    chunks.append(chunk)
-                    parser.write(chunk)
+        await _read(request, limit, timeout_s, take)
         parser.finalize()
-    except ClientDisconnect as exc:
-        raise InvalidRequest("The client disconnected while sending the body.") from exc
-    except TimeoutError as exc:
-        raise ClientStalled(f"The request body did not arrive within {timeout_s:g} s.") from exc
     except FormParserError as exc:
         raise InvalidRequest(
             f"Request body is not valid multipart/form-data: {exc}.", code="invalid_form"

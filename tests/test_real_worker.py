@@ -18,6 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.agreement import quantile
 from tests.servers import running_gateway, settings_for
 
 MODEL = "tiny-llama"
@@ -377,19 +378,6 @@ async def _raw(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> byt
         return b"".join([data async for data in response.aiter_raw()])
 
 
-def _quantile(buckets: list[tuple[float, float]], q: float) -> float:
-    """``histogram_quantile`` of cumulative ``(upper bound, count)`` pairs, as PromQL does it."""
-    rank = q * buckets[-1][1]
-    lower, below = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if bound == float("inf"):
-                return lower
-            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
-        lower, below = bound, count
-    return lower
-
-
 def _histogram_delta(
     before: dict[str, float], after: dict[str, float], name: str
 ) -> list[tuple[float, float]]:
@@ -467,8 +455,8 @@ async def test_vllm_benchmark_client_agrees_with_the_gateway_histograms(
     # gateway times only events that carry output. So it has a few gaps fewer per request.
     bench_gaps = sum(len(itls) for itls in result["itls"])
     assert bench_gaps * 0.8 <= itl_hist[-1][1] <= bench_gaps - prompts
-    gateway_ttft_ms = _quantile(ttft_hist, 0.5) * 1000
-    gateway_itl_ms = _quantile(itl_hist, 0.5) * 1000
+    gateway_ttft_ms = quantile(ttft_hist, 0.5) * 1000
+    gateway_itl_ms = quantile(itl_hist, 0.5) * 1000
     bench_ttft_ms = result["median_ttft_ms"]
     bench_itl_ms = result["median_itl_ms"]
     print(
