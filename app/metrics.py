@@ -410,12 +410,13 @@ class GatewayMetrics:
         self.worker_prefix_blocks = Gauge(
             "gateway_worker_prefix_index_blocks",
             "Blocks of recent prompts the prefix_aware index remembers for the worker.",
-            by_worker, registry=reg,
+            by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.prefix_index_bytes = Gauge(
             "gateway_prefix_index_bytes",
             "Memory held by the prefix_aware index of all workers (capped by "
-            "GATEWAY_PREFIX_INDEX_MB).",
+            "GATEWAY_PREFIX_INDEX_MB per gateway process).",
+            multiprocess_mode="livesum",
             registry=reg,
         )
         by_tier_only = ["tier"]
