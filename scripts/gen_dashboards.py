@@ -1183,12 +1183,13 @@ def prefix_cache_panels() -> list[Json]:
         panel(
             "timeseries",
             "Prefix index memory",
-            "Memory of prefix_aware routing's index of recent prompts, per gateway replica "
-            "(capped by GATEWAY_PREFIX_INDEX_MB), and the blocks of 256 characters it remembers "
-            "per worker (also held to what the worker's KV cache can keep).",
+            "Memory of prefix_aware routing's index of recent prompts in the gateway replica "
+            "holding the most (each is capped by GATEWAY_PREFIX_INDEX_MB), and the blocks of "
+            "256 characters it remembers per worker (also held to what the worker's KV cache "
+            "can keep).",
             refs(
                 [
-                    ("sum by (instance) (gateway_prefix_index_bytes)", "bytes {{instance}}"),
+                    ("max(gateway_prefix_index_bytes)", "bytes, largest replica"),
                     (
                         f"sum by (worker) (gateway_worker_prefix_index_blocks{{{W}}})",
                         "blocks {{worker}}",
