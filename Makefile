@@ -16,8 +16,8 @@ help:
 	@echo "make run    - start a vLLM CPU worker and the gateway in front of it (port $(GATEWAY_PORT))"
 	@echo "make test   - lint, type-check and run the whole test suite against a real vLLM worker"
 	@echo "make bench  - gateway overhead benchmark (prints a table)"
-	@echo "make bench-routing   - predicted-TTFT routing vs round robin on two real workers"
-	@echo "make bench-admission - SLO-aware admission on vs off at ~3x capacity (real workers)"
+	@echo "make bench-routing   - the routing policies compared on two real workers"
+	@echo "make bench-admission - admission on vs off from 0.25x to 3x capacity (real workers)"
 	@echo "make unit   - the tests that need no vLLM worker"
 
 $(STAMP): pyproject.toml
