@@ -15,7 +15,8 @@ Every request streams a chat completion of a ~350-900-token prompt and 64 tokens
 2. The sweep: at 0.25, 0.5, 0.75, 1, 1.5, 2 and 3 x capacity, the same Poisson arrivals (a
    30/50/20 interactive/standard/batch mix, ``--duration`` seconds) through a fresh gateway
    with admission on and then off (plain pass-through), each after a short warm-up at
-   capacity. At 3x, ``--seeds`` arrival sequences in all.
+   capacity and with the workers' prefix caches emptied first (the second run would
+   otherwise find the first's prompts cached). At 3x, ``--seeds`` arrival sequences in all.
 3. Cold start: a fresh gateway, no warm-up, 64 streams at once (on and off).
 4. Bursty: a fresh gateway, no warm-up, 5 s at 2x capacity then 5 s at 0.25x, four times.
 
@@ -58,6 +59,7 @@ from bench.live import (
     bench_worker,
     log,
     prompt_text,
+    reset_prefix_caches,
     running_gateway,
     running_workers,
     stream_chat,
@@ -391,6 +393,7 @@ class Bench:
         self, args: argparse.Namespace, urls: Sequence[str], redis: RedisServer | None = None
     ) -> None:
         self.args = args
+        self.urls = urls
         self.redis = redis
         self.keys = {tier: f"sk-bench-{tier}-{secrets.token_hex(8)}" for tier in TIERS}
         key_specs = [
@@ -425,6 +428,7 @@ class Bench:
         raw: dict[str, list[dict[str, Any]]] = {}
         timelines: dict[str, list[dict[str, float]]] = {}
         for mode in self.args.modes.split(","):
+            await reset_prefix_caches(self.urls)
             with self.gateway(mode, name) as gateway:
                 if warmup:
                     await drive(gateway, warmup, self.keys)
@@ -540,7 +544,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--workers",
-        help="comma-separated URLs of running workers serving bench-llama (default: start two)",
+        help="comma-separated URLs of running workers serving bench-llama, started with "
+        "VLLM_SERVER_DEV_MODE=1 (default: start two)",
     )
     parser.add_argument(
         "--processes",
@@ -561,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.workers:
             report = asyncio.run(run(args, args.workers.split(","), redis))
         else:
-            specs = [bench_worker(free_port()) for _ in range(2)]
+            specs = [bench_worker(free_port(), dev_mode=True) for _ in range(2)]
             with running_workers(specs) as workers:
                 report = asyncio.run(run(args, [w.url for w in workers], redis))
     pod = (

@@ -86,6 +86,18 @@ def bench_worker(
     )
 
 
+async def reset_prefix_caches(workers: Sequence[str]) -> None:
+    """Empty the workers' prefix caches (vLLM's development endpoint); they must be idle.
+
+    Runs that replay the same prompts start even: otherwise the second finds the first's
+    prompts cached and prefills them faster.
+    """
+    async with httpx.AsyncClient(timeout=30) as client:
+        for worker in workers:
+            response = await client.post(f"{worker}/reset_prefix_cache")
+            response.raise_for_status()
+
+
 @contextlib.contextmanager
 def running_workers(workers: Sequence[VllmWorker]) -> Iterator[list[VllmWorker]]:
     """Start every worker (one after the other, they share the CPUs), stop them all after."""

@@ -49,6 +49,7 @@ from bench.live import (
     bench_worker,
     log,
     prompt_text,
+    reset_prefix_caches,
     running_gateway,
     running_workers,
     stream_chat,
@@ -192,14 +193,6 @@ async def _cache_counters(workers: Sequence[str]) -> dict[str, dict[str, float]]
     return {w: await _metric_sums(w, _VLLM_CACHE) for w in workers}
 
 
-async def _reset_caches(workers: Sequence[str]) -> None:
-    """Empty both workers' prefix caches (vLLM's development endpoint); they must be idle."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        for worker in workers:
-            response = await client.post(f"{worker}/reset_prefix_cache")
-            response.raise_for_status()
-
-
 def _prefix_env(workers: Sequence[str], policy: str) -> dict[str, str]:
     return {
         "GATEWAY_WORKERS": ",".join(workers),
@@ -222,7 +215,7 @@ async def _calibrate(args: argparse.Namespace, workers: Sequence[str]) -> dict[s
     """Completed requests/s of the workload when clients keep the fleet busy."""
     # Three times the users, so that the clients never run out of requests in time.
     users = make_users(3 * args.users, args.systems, args.system_words, args.turns, args.seed + 50)
-    await _reset_caches(workers)
+    await reset_prefix_caches(workers)
     with running_gateway(_prefix_env(workers, "round_robin"), free_port(), "capacity") as gw:
         await _warm_gateway(gw, args.seed)
         log(f"capacity: {args.concurrency} clients back to back for {args.calibrate:.0f} s")
@@ -251,7 +244,7 @@ async def _run_prefix_policy(
     )
     warmup, users = everyone[: args.warmup], everyone[args.warmup :]
     plan = schedule(args.users, args.turns, rate, args.seed + 1)
-    await _reset_caches(workers)
+    await reset_prefix_caches(workers)
     with running_gateway(_prefix_env(workers, policy), free_port(), f"prefix-{policy}") as gw:
         await _warm_gateway(gw, args.seed)
         # Steady state: the service has seen every system prompt before (as the policy placed
