@@ -199,7 +199,16 @@ class Router:
                 # its smallest tree).
                 near = [s for s in scored if s[0] <= best_ttft + slack]
                 _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
-            elif prefix is None:
+            elif prefix is not None:
+                # Of the workers nearly as fast, one holding the prefix wins (the most held):
+                # the prediction cannot tell such TTFTs apart, and the cache hit is real. Else
+                # a worker that learnt a higher intercept from a few slow answers lost its own
+                # prefix to an idle one that must prefill it all again.
+                held = [s for s in scored if s[3] and s[0] <= best_ttft + slack]
+                held = [s for s in held if s[2] not in crowded]
+                if held:
+                    _, _, worker, cached = max(held, key=lambda s: (s[3], -s[0]))
+            else:
                 # Predicted TTFTs this close are within what the prediction knows: the least
                 # loaded worker wins. Else a worker whose prefix cache made its first answers
                 # fast learnt a prefill speed no other could show without traffic, and took it

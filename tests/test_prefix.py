@@ -170,8 +170,12 @@ def test_a_worker_with_the_prefix_but_a_long_queue_loses_to_an_idle_one() -> Non
     # A short queue on A costs less than the prefill A saves: A wins.
     a.prefill_tokens_ahead = 0.5 * saved
     assert router.choose(MODEL, own, key).worker is a
-    # A queue longer than the saved prefill: the idle worker wins, and now holds it too.
+    # A queue a little longer than the saved prefill: too close to tell, the cache wins.
     a.prefill_tokens_ahead = 1.5 * saved
+    assert router.choose(MODEL, own, key).worker is a
+    # A queue costing more than the saved prefill and the slack: the idle worker wins, and
+    # now holds it too (2,000 tokens at the prior 0.2 ms per token: 0.4 s).
+    a.prefill_tokens_ahead = 1.5 * saved + 2_000
     assert router.choose(MODEL, own, key).worker is b
     assert b.prefixes.match(_prefix(key).blocks) == len(_prefix(key).blocks)
     # Requests queued inside the worker (other replicas' traffic) count as a queue as well.
@@ -181,6 +185,26 @@ def test_a_worker_with_the_prefix_but_a_long_queue_loses_to_an_idle_one() -> Non
     assert router.choose(MODEL, own, key).worker is a
     a.load = LoadSample(2, 40, 0.5, pool.now(), 0, 131072, 128)
     assert router.choose(MODEL, own, key).worker is b
+
+
+def test_a_worker_that_learnt_a_slower_line_keeps_its_prefix_against_an_idle_one() -> None:
+    # Seen on real workers: the prefix's holder had answered its first requests slowly (a busy
+    # machine), the other quickly; on learnt lines alone the other, which must prefill the
+    # whole prompt, was predicted a few milliseconds faster and took the prefix's request.
+    pool, router = _fleet()
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    request = _chat("a question: " + _words(600, 21))
+    key = _key(router, request)
+    own = _tokens(request)
+    for tokens, ttft in ((own, 0.30), (own / 2, 0.25), (own, 0.31)):
+        a.latency.observe_ttft(tokens, ttft)
+    for tokens, ttft in ((own, 0.04), (own / 2, 0.03), (own, 0.05)):
+        b.latency.observe_ttft(tokens, ttft)
+    a.prefixes.add(_prefix(key).blocks, 10_000)
+    cached = router.cached_tokens(a, _prefix(key), own)
+    assert cached > 0.8 * own
+    assert router.rank(a, own - cached) > router.rank(b, own)
+    assert router.choose(MODEL, own, key).worker is a
 
 
 def test_a_hot_prefix_does_not_pile_onto_the_worker_that_first_had_it() -> None:
