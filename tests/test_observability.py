@@ -22,22 +22,7 @@ from app.settings import Settings
 from app.workers import WorkerPool
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeResolver:
-    def __init__(self, *addresses: str) -> None:
-        self.addresses = list(addresses)
-
-    async def resolve(self, host: str) -> list[str]:
-        return list(self.addresses)
+from tests.test_pool import FakeClock, FakeResolver
 
 
 def test_each_tiers_objective_is_exported() -> None:
