@@ -137,12 +137,7 @@ async def converse(
                         if outcome.ttft is None:
                             outcome.ttft = last - sent
                         answer.append(text)
-            if not done and outcome.error is None:
-                outcome.error = "stream ended without [DONE]"
-            if outcome.error is None:
-                outcome.e2e = last - sent
-                if outcome.ttft is not None and outcome.completion_tokens > 1:
-                    outcome.tpot = (outcome.e2e - outcome.ttft) / (outcome.completion_tokens - 1)
+            outcome.ended(done, last)
     except httpx.HTTPError as exc:
         outcome.error = type(exc).__name__
         outcome.lost = outcome.status == 0

@@ -178,6 +178,18 @@ class Outcome:
         """A 200 stream that finished."""
         return self.status == 200 and self.error is None and self.e2e is not None
 
+    def ended(self, done: bool, last: float) -> None:
+        """A stream read to its end: an error if it had no ``[DONE]``, else E2E and TPOT.
+
+        ``last`` is when its last content event arrived.
+        """
+        if not done and self.error is None:
+            self.error = "stream ended without [DONE]"
+        if self.error is None:
+            self.e2e = last - self.sent
+            if self.ttft is not None and self.completion_tokens > 1:
+                self.tpot = (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
     def as_dict(self) -> dict[str, Any]:
         """The outcome as JSON-ready values."""
         return {
@@ -250,12 +262,7 @@ async def stream_chat(
                 elif b'"usage":{' in raw:
                     usage = json.loads(raw).get("usage") or {}
                     outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
-            if not done and outcome.error is None:
-                outcome.error = "stream ended without [DONE]"
-            if outcome.error is None:
-                outcome.e2e = last - sent
-                if outcome.ttft is not None and outcome.completion_tokens > 1:
-                    outcome.tpot = (outcome.e2e - outcome.ttft) / (outcome.completion_tokens - 1)
+            outcome.ended(done, last)
     except httpx.HTTPError as exc:
         outcome.error = type(exc).__name__
         outcome.lost = outcome.status == 0
