@@ -7,9 +7,10 @@ Tests that use ``vllm_worker_url`` are marked ``worker`` automatically, so ``mak
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from scripts.redis_server import RedisServer
@@ -62,6 +63,17 @@ def vllm_pooling_url() -> Iterator[str]:
 
 POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--enforce-eager")
 _WORKER_FIXTURES = frozenset({"vllm_worker_url", "vllm_pooling_url"})
+
+
+@pytest.fixture
+async def sdk(gateway_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The OpenAI SDK pointed at the module's ``gateway_url``; no retries, so errors surface
+    as they are."""
+    client = openai.AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 @pytest.fixture

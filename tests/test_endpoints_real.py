@@ -31,16 +31,6 @@ async def gateway_url(vllm_worker_url: str, vllm_pooling_url: str) -> AsyncItera
         yield url
 
 
-@pytest.fixture
-async def sdk(gateway_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
-    """The OpenAI SDK pointed at the gateway; no retries, so errors surface as they are."""
-    client = openai.AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
 async def test_sdk_embeddings_through_the_gateway_count_prompt_tokens_and_e2e(
     sdk: openai.AsyncOpenAI, gateway_url: str, vllm_pooling_url: str
 ) -> None:

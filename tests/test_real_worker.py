@@ -32,16 +32,6 @@ async def gateway_url(vllm_worker_url: str) -> AsyncIterator[str]:
         yield url
 
 
-@pytest.fixture
-async def sdk(gateway_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
-    """The OpenAI SDK pointed at the gateway; no retries, so errors surface as they are."""
-    client = openai.AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
 async def scrape(url: str) -> dict[str, float]:
     """Every sample of a Prometheus page, keyed ``name{label="value",...}`` (labels sorted)."""
     async with httpx.AsyncClient(timeout=5) as client:
