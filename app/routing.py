@@ -2,13 +2,13 @@
 
 Policies (``GATEWAY_ROUTING``):
 
-* ``predicted_ttft`` (default): the healthy worker with the lowest predicted time to first
+* ``predicted_ttft``: the healthy worker with the lowest predicted time to first
   token for *this* request: the prefill work already queued there, this prompt's length, the
   running batch, and the worker's learnt prefill speed. Workers whose load signals are stale
   count as busy: they rank behind every fresh worker by ``_STALE_PENALTY_S``. The prediction
   handed to admission leaves the penalty out (it rests on the gateway's own exact counts), so a
   worker whose /metrics cannot be read is still used, not treated as never able to meet an SLO.
-* ``prefix_aware``: the same prediction, less the prefill each worker is expected to skip
+* ``prefix_aware`` (default): the same prediction, less the prefill each worker is expected to skip
   because its prefix cache still holds the start of this prompt: the tokens of the longest
   prefix this gateway has recently routed there (:mod:`app.prefix`), over the worker's learnt
   prefill speed. A worker holding the prefix wins while the prefill it saves exceeds the

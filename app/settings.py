@@ -170,11 +170,11 @@ class Settings(BaseSettings):
         default=None,
         description="host:port of a headless Service; every address it resolves to is a worker.",
     )
-    routing: Literal["predicted_ttft", "prefix_aware", "least_outstanding", "round_robin"] = Field(
-        default="predicted_ttft",
-        description="How a worker is chosen among the healthy ones: `predicted_ttft`, "
-        "`prefix_aware` (also counts the prompt prefix each worker likely has cached), "
-        "`least_outstanding` or `round_robin`.",
+    routing: Literal["prefix_aware", "predicted_ttft", "least_outstanding", "round_robin"] = Field(
+        default="prefix_aware",
+        description="How a worker is chosen among the healthy ones: `prefix_aware` (the "
+        "lowest predicted TTFT, counting the prompt prefix each worker likely has cached), "
+        "`predicted_ttft` (the same without the prefix), `least_outstanding` or `round_robin`.",
     )
     prefix_index_mb: float = Field(
         default=32.0,
