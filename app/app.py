@@ -26,7 +26,7 @@ from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.record import Recorder
 from app.relay import RelayDeps
-from app.routes import router
+from app.routes import relay_direct, router
 from app.routing import Router
 from app.settings import Settings
 from app.shared import SharedState
@@ -155,7 +155,9 @@ def create_app(
             expose_headers=CORS_EXPOSED_HEADERS,
             max_age=600,
         )
-    app.add_middleware(TraceMiddleware)
+    # Relayed requests skip the router and its per-send wrappers, unless CORS (inside the
+    # trace) must see them.
+    app.add_middleware(TraceMiddleware, relayed=None if settings.cors_origins else relay_direct)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app

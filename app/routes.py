@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from app.admission import Ticket
 from app.arrival import arrival
@@ -51,6 +52,18 @@ def _relayed(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
 
 for _path, _endpoint in ENDPOINT_PATHS.items():
     router.add_api_route(_path, _relayed(_endpoint), methods=["POST"], response_model=None)
+
+
+async def relay_direct(scope: Scope, receive: Receive, send: Send) -> None:
+    """Serve a POST to a relayed path (:data:`app.protocol.ENDPOINT_PATHS`) as the route would.
+
+    :class:`app.trace.TraceMiddleware` calls it in place of the application for those paths:
+    the same handler, without the walk of the route table, FastAPI's request handler and
+    three wrappers of ``send`` that every streamed event passed through.
+    """
+    request = Request(scope, receive)
+    response = await _relay(request, get_state(request), ENDPOINT_PATHS[scope["path"]])
+    await response(scope, receive, send)
 
 
 async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
