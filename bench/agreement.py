@@ -1,6 +1,6 @@
 """Agreement: vLLM's own benchmark client against the gateway's histograms, at 1 to 64 streams.
 
-``python -m bench.agreement [--streams 1,4,16,64] [--worker URL]``
+``python -m bench.agreement [--streams 1,4,16,64] [--worker URL] [--aiperf PATH]``
 
 ``vllm.benchmarks.serve`` (from the worker's venv) runs through the gateway against a real vLLM
 CPU worker serving ``tiny-llama`` (started here, pinned to every CPU but the last, unless
@@ -9,6 +9,9 @@ tokens, at each number of concurrent streams. A fresh gateway per level (admissi
 that every request is served as it comes) exports TTFT and ITL
 with buckets 0.25 ms wide, so its p50 is read to a fraction of a millisecond; the table sets
 it beside the p50 the client reports, with the gateway's queue time and event-loop lag.
+``--aiperf PATH`` runs NVIDIA's aiperf (an ``aiperf`` executable installed apart, for example
+``pip install aiperf`` in a venv of its own: it is not a dependency of this project) instead of
+vLLM's client, with the same prompt and answer lengths.
 A benchmark, not a test: it prints a markdown table and writes ``bench/results/agreement.json``.
 """
 
@@ -92,7 +95,30 @@ def _bench(gateway: str, streams: int, prompts: int, out: Path) -> dict[str, Any
     return result
 
 
-def measure(worker: str, streams: int) -> dict[str, Any]:
+def _aiperf(aiperf: str, gateway: str, streams: int, prompts: int, out: Path) -> dict[str, Any]:
+    """The run of aiperf at ``streams`` concurrent streams, as :func:`_bench`'s result keys."""
+    args = [
+        "profile", "--model", MODEL, "--url", gateway, "--endpoint-type", "chat", "--streaming",
+        "--tokenizer", str(MODEL_DIR), "--prompt-input-tokens-mean", "64",
+        "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", "48",
+        "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+        "--concurrency", str(streams), "--request-count", str(prompts), "--random-seed", "7",
+        "--output-artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics",
+        "--no-gpu-telemetry",
+    ]  # fmt: skip
+    done = subprocess.run([aiperf, *args], capture_output=True, text=True, timeout=900, check=False)
+    exported = sorted(out.rglob("*aiperf.json"))
+    if done.returncode != 0 or not exported:
+        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+    metrics: dict[str, Any] = json.loads(exported[0].read_text())
+    return {
+        "completed": metrics["request_count"]["avg"],
+        "median_ttft_ms": metrics["time_to_first_token"]["p50"],
+        "median_itl_ms": metrics["inter_token_latency"]["p50"],
+    }
+
+
+def measure(worker: str, streams: int, aiperf: str | None = None) -> dict[str, Any]:
     """One level: a fresh gateway, the client's run through it, both p50s."""
     env = {
         "GATEWAY_WORKERS": worker,
@@ -109,7 +135,10 @@ def measure(worker: str, streams: int) -> dict[str, Any]:
             _bench(url, min(streams, 4), 8, Path(tmp) / "warmup.json")
         before = asyncio.run(_histograms(url))
         with tempfile.TemporaryDirectory() as tmp:
-            client = _bench(url, streams, prompts, Path(tmp) / "bench.json")
+            if aiperf is None:
+                client = _bench(url, streams, prompts, Path(tmp) / "bench.json")
+            else:
+                client = _aiperf(aiperf, url, streams, prompts, Path(tmp))
         after = asyncio.run(_histograms(url))
 
     def p(name: str, q: float) -> float:
@@ -155,19 +184,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.agreement")
     parser.add_argument("--streams", default="1,4,16,64")
     parser.add_argument("--worker", default=None, help="a running tiny-llama worker's URL")
+    parser.add_argument("--aiperf", default=None, help="an aiperf executable, as the client")
     args = parser.parse_args(argv)
     unwind_on_sigterm()
     levels = [int(level) for level in args.streams.split(",")]
     rows: list[dict[str, Any]] = []
     if args.worker:
-        rows = [measure(args.worker, level) for level in levels]
+        rows = [measure(args.worker, level, args.aiperf) for level in levels]
     else:
         with running_workers([VllmWorker(port=free_port())]) as (worker,):
-            rows = [measure(worker.url, level) for level in levels]
+            rows = [measure(worker.url, level, args.aiperf) for level in levels]
     for row in rows:
         log(json.dumps(row))
     print(table(rows))
-    write_json("agreement", {"rows": rows})
+    write_json("agreement", {"client": "aiperf" if args.aiperf else "vllm", "rows": rows})
     return 0
 
 
