@@ -667,6 +667,9 @@ def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryRe
         "GATEWAY_MAX_UPSTREAM_CONNECTIONS": str(n + 64),
         # The client connections too (default 4,096): beyond it the gateway answers 503 at once.
         "GATEWAY_MAX_CONNECTIONS": str(n + 64),
+        # The load client opens every connection before the first request: one that sends no
+        # byte within the header timeout (10 s) is closed, as a slow client's would be.
+        "GATEWAY_HEADER_TIMEOUT_S": str(math.ceil(ramp_s) + 10),
         "GATEWAY_LOG_LEVEL": "warning",
     } | dict(item.split("=", 1) for item in args.gateway_env)
     log(f"memory: {n} streams at 1 token/s, ramp {ramp_s:.1f} s, probes for {probe_s:.0f} s")
