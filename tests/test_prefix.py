@@ -74,6 +74,20 @@ def _prefix(key: RouteKey) -> PromptPrefix:
     return key.prefix
 
 
+def _question_held_by_a(words: int, seed: int) -> tuple[WorkerPool, Router, RouteKey, float, float]:
+    """Two idle workers, A holding a question of ``words`` words.
+
+    ``(pool, router, the question's route key, its prompt tokens, the tokens A has cached)``.
+    """
+    pool, router = _fleet()
+    request = _chat("a question: " + _words(words, seed))
+    key = _key(router, request)
+    own = _tokens(request)
+    a = pool.workers["a:1"]
+    a.prefixes.add(_prefix(key).blocks, 10_000)
+    return pool, router, key, own, router.cached_tokens(a, _prefix(key), own)
+
+
 def _tokens(request: ParsedRequest) -> float:
     return request.size / 4.0
 
@@ -159,13 +173,8 @@ def test_requests_sharing_a_prefix_go_where_it_was_sent_and_the_hit_is_predicted
 
 
 def test_a_worker_with_the_prefix_but_a_long_queue_loses_to_an_idle_one() -> None:
-    pool, router = _fleet()
+    pool, router, key, own, saved = _question_held_by_a(40, 9)
     a, b = pool.workers["a:1"], pool.workers["b:2"]
-    request = _chat("a question: " + _words(40, 9))
-    key = _key(router, request)
-    own = _tokens(request)
-    a.prefixes.add(_prefix(key).blocks, 10_000)
-    saved = router.cached_tokens(a, _prefix(key), own)
     assert saved > 0.8 * own
     # A short queue on A costs less than the prefill A saves: A wins.
     a.prefill_tokens_ahead = 0.5 * saved
@@ -191,17 +200,12 @@ def test_a_worker_that_learnt_a_slower_line_keeps_its_prefix_against_an_idle_one
     # Seen on real workers: the prefix's holder had answered its first requests slowly (a busy
     # machine), the other quickly; on learnt lines alone the other, which must prefill the
     # whole prompt, was predicted a few milliseconds faster and took the prefix's request.
-    pool, router = _fleet()
+    pool, router, key, own, cached = _question_held_by_a(600, 21)
     a, b = pool.workers["a:1"], pool.workers["b:2"]
-    request = _chat("a question: " + _words(600, 21))
-    key = _key(router, request)
-    own = _tokens(request)
     for tokens, ttft in ((own, 0.30), (own / 2, 0.25), (own, 0.31)):
         a.latency.observe_ttft(tokens, ttft)
     for tokens, ttft in ((own, 0.04), (own / 2, 0.03), (own, 0.05)):
         b.latency.observe_ttft(tokens, ttft)
-    a.prefixes.add(_prefix(key).blocks, 10_000)
-    cached = router.cached_tokens(a, _prefix(key), own)
     assert cached > 0.8 * own
     assert router.rank(a, own - cached) > router.rank(b, own)
     assert router.choose(MODEL, own, key).worker is a
