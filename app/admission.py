@@ -112,30 +112,39 @@ class AdmissionController:
         tier: TierSpec | None = None,
         workers: int = 1,
         now: float | None = None,
+        reserving: bool = True,
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
-        The worker says it is full, or it runs or prefills at a limit. Below a tier that has had
-        requests in the last seconds, the limits are lower: the running slots that tier is
-        expected to need (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot
-        are kept free for it, leaving a lower tier at least the last slot of an otherwise empty
-        worker.
+        The worker says it is full, or it runs or prefills at a limit. While lower tiers'
+        requests run on it, a tier may go past the running limit by as many, up to
+        :meth:`app.limits.Limits.stretched_cap`: a running request cannot be preempted, so
+        without that a slot handed to a lower tier while the pool had room would turn away a
+        higher tier's request that pass-through would have served in time. When ``reserving``
+        (the pool is expected to saturate), the limits are lower below a tier that has had
+        requests in the last seconds: the running slots that tier is expected to need
+        (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for
+        it, leaving a lower tier at least the last slot of an otherwise empty worker.
         """
         now = self._clock() if now is None else now
         limits = self.limits
         if limits.saturated(worker, now):
             return True
         cap, prefill_cap = limits.cap(worker), limits.prefill_cap(worker)
-        kept = 0
         if tier is not None:
-            priorities = self._priorities
-            above = sum(
-                n for name, n in worker.tier_in_flight.items() if priorities[name] < tier.priority
-            )
-            kept = self.demand.kept_for_higher(tier, workers, above, now)
-        if kept:
-            cap -= min(cap - 1, kept)
-            prefill_cap -= min(prefill_cap - 1, 1)
+            priorities, mine = self._priorities, tier.priority
+            above = below = 0
+            for name, n in worker.tier_in_flight.items():
+                if priorities[name] < mine:
+                    above += n
+                elif priorities[name] > mine:
+                    below += n
+            if below:
+                cap = max(cap, min(limits.stretched_cap(worker), cap + below))
+            kept = self.demand.kept_for_higher(tier, workers, above, now) if reserving else 0
+            if kept:
+                cap -= min(cap - 1, kept)
+                prefill_cap -= min(prefill_cap - 1, 1)
         return limits.occupied(worker, now) >= cap or worker.prefilling >= prefill_cap
 
     def _try(self, ticket: Ticket, now: float) -> Choice | None:
@@ -149,8 +158,10 @@ class AdmissionController:
         candidates = self._router.candidates(ticket.model)
         n = len(candidates)
         # Below saturation nothing is held back for higher tiers: see :meth:`_reserving`.
-        tier = ticket.tier if self._reserving(candidates, now) else None
-        full = frozenset(w.label for w in candidates if self._full(w, tier, n, now))
+        reserving = self._reserving(candidates, now)
+        full = frozenset(
+            w.label for w in candidates if self._full(w, ticket.tier, n, now, reserving)
+        )
         if len(full) == n:
             return None
         return self._router.choose(ticket.model, ticket.own_tokens, ticket.route, full)
@@ -159,9 +170,9 @@ class AdmissionController:
         """Whether lower tiers must leave slots free for higher ones on ``candidates`` now.
 
         Only when the pool is expected to saturate: every tier's expected running slots
-        (Little's law, :meth:`app.demand.TierDemand.expected_total`) add up to at least what
-        the workers may run. Below that every request fits, whatever its tier, and holding
-        slots back would only queue lower tiers on workers with room.
+        (Little's law over the holds as measured, :meth:`app.demand.TierDemand.expected_total`)
+        add up to at least what the workers may run. Below that every request fits, whatever
+        its tier, and holding slots back would only queue lower tiers on workers with room.
         """
         expected = self.demand.expected_total(now)
         return expected > 0 and expected >= sum(self.limits.cap(w) for w in candidates)
@@ -173,17 +184,17 @@ class AdmissionController:
             best = min(best, worker.latency.prefill.predict(ticket.own_tokens))
         return best
 
-    def _start_margin(self, ticket: Ticket, fastest: float) -> float:
+    def _start_margin(self, ticket: Ticket, fastest: float, now: float) -> float:
         """Time to leave, between leaving the queue and the TTFT target, for the first token.
 
         On the best worker, the larger of the idle prefill (``fastest``) and its recent times
-        to first token (:attr:`app.workers.Worker.recent_ttft`): under load a request is
-        prefilled behind others, and one dispatched later than this would likely miss its
-        target while holding a slot for its whole answer.
+        to first token (:attr:`app.workers.Worker.recent_ttft`, those of the last 10 s): under
+        load a request is prefilled behind others, and one dispatched later than this would
+        likely miss its target while holding a slot for its whole answer.
         """
         candidates = self._router.candidates(ticket.model)
         return min(
-            (max(fastest, worker.recent_ttft.value()) for worker in candidates), default=fastest
+            (max(fastest, worker.recent_ttft.value(now)) for worker in candidates), default=fastest
         )
 
     # Admission ----------------------------------------------------------------------------
@@ -212,7 +223,7 @@ class AdmissionController:
                 if room is not None:
                     self._decide(ticket.tier, Decision.ADMITTED)
                     return self.lease(room, ticket), 0.0
-            margin = self._start_margin(ticket, fastest)
+            margin = self._start_margin(ticket, fastest, now)
         except UpstreamUnavailable:
             self._decide(ticket.tier, Decision.REJECTED, Reason.NO_WORKER, shortage=False)
             raise

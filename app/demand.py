@@ -85,8 +85,11 @@ class TierDemand:
         self._window = _Window(_ACTIVE_S)
         self._spans = [_Window(span) for span in _SURGE_SPANS_S]
         self._held: dict[int, float] = {}
+        """Per tier priority: the mean hold, counted at least at the TPOT aim (slots kept)."""
+        self._held_seen: dict[int, float] = {}
+        """Per tier priority: the mean hold as measured (whether the pool will saturate)."""
         self._short_until: dict[int, float] = {}
-        self._expected: tuple[float, dict[int, float]] = _NOT_COMPUTED
+        self._rates: tuple[float, dict[int, float]] = _NOT_COMPUTED
         self.fleet: ArrivalCounts | None = None
         """The rest of the fleet's arrivals, added to this process's own (None: alone)."""
 
@@ -121,24 +124,25 @@ class TierDemand:
         self._window.add(now, priority)
         for span in self._spans:
             span.add(now, priority)
-        self._expected = _NOT_COMPUTED
+        self._rates = _NOT_COMPUTED
 
     def held(self, priority: int, held_s: float, decode_s: float, decoded: float) -> None:
         """A request of tier ``priority`` left its worker after holding a slot ``held_s``.
 
-        ``decode_s`` of the hold went to ``decoded`` tokens after the first. The hold counted
-        is at least what it would have been at the TPOT aim: the slots kept for a tier matter
-        when the workers are at their limits, which hold TPOT near the aim, and holds learnt at
-        a lighter load (a warm-up, the first seconds of a surge) kept too few.
+        ``decode_s`` of the hold went to ``decoded`` tokens after the first. Two averages are
+        kept. The slots kept for a tier count its hold at least as it would have been at the
+        TPOT aim: they matter when the workers are at their limits, which hold TPOT near the
+        aim, and holds learnt at a lighter load (a warm-up, the first seconds of a surge) kept
+        too few. Whether the pool is expected to saturate counts the holds as measured: at a
+        light load streams decode well under the aim, and the aim's holds (seen: 2.3 times
+        the measured ones) expected more slots than the workers ran, and kept slots at 0.75x
+        of capacity that queued lower tiers for seconds on idle workers.
         """
+        _average(self._held_seen, priority, held_s)
         aim = self._tpot_aim
         if aim is not None and decoded > 0 and decode_s < decoded * aim:
             held_s += decoded * aim - decode_s
-        previous = self._held.get(priority)
-        self._held[priority] = (
-            held_s if previous is None else previous + _HELD_WEIGHT * (held_s - previous)
-        )
-        self._expected = _NOT_COMPUTED
+        _average(self._held, priority, held_s)
 
     def short(self, priority: int, now: float) -> None:
         """Tier ``priority`` had a request turned away: lower tiers yield for a while."""
@@ -159,15 +163,25 @@ class TierDemand:
         chance: the span saw at least ``_SURGE_MIN_ARRIVALS`` arrivals of the tier (or of all
         tiers together, shared out by the tier's part of the window's arrivals), ``_SURGE_Z``
         standard deviations more than the window's rate brings in such a span. The long window
-        alone would read the first seconds of a surge as the trickle before it. Computed once
-        per ``now`` (a dispatch pass asks for every queued request and every worker) and again
-        after an arrival or a completion.
+        alone would read the first seconds of a surge as the trickle before it. The rates are
+        computed once per ``now`` (a dispatch pass asks for every queued request and every
+        worker) and again after an arrival. The hold is counted at the TPOT aim (:meth:`held`).
         """
-        if self._expected[0] == now:
-            return self._expected[1]
+        return self._expected(now, self._held)
+
+    def _expected(self, now: float, held: Mapping[int, float]) -> dict[int, float]:
+        """Per tier priority: its arrival rate now x its mean hold in ``held``."""
+        rates = self._arrival_rates(now)
+        fallback = max(held.values(), default=0.0)
+        return {p: rate * held.get(p, fallback) for p, rate in rates.items()}
+
+    def _arrival_rates(self, now: float) -> dict[int, float]:
+        """Per tier priority, the arrival rate :meth:`expected_slots` describes (once per now)."""
+        if self._rates[0] == now:
+            return self._rates[1]
         counts = self._counts(self._window, now)
         total = sum(counts.values())
-        expected: dict[int, float] = {}
+        rates: dict[int, float] = {}
         if total:
             first = self._first(now)
             span = max(_MIN_SPAN_S, min(_ACTIVE_S, now - first))
@@ -184,15 +198,15 @@ class TierDemand:
                 if _surge(pooled, total / span * window.span):
                     for priority, share in shares.items():
                         rates[priority] = max(rates[priority], pooled / window.span * share)
-            fallback = max(self._held.values(), default=0.0)
-            for priority, rate in rates.items():
-                expected[priority] = rate * self._held.get(priority, fallback)
-        self._expected = (now, expected)
-        return expected
+        self._rates = (now, rates)
+        return rates
 
     def expected_total(self, now: float) -> float:
-        """How many running slots all tiers together are expected to hold."""
-        return sum(self.expected_slots(now).values())
+        """How many running slots all tiers together are expected to hold, as they run now.
+
+        Little's law over the holds as measured (:meth:`held`), not at the TPOT aim.
+        """
+        return sum(self._expected(now, self._held_seen).values())
 
     def kept_for_higher(self, tier: TierSpec, workers: int, running_above: int, now: float) -> int:
         """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.
@@ -209,6 +223,12 @@ class TierDemand:
         expected = sum(higher) / max(workers, 1)
         needed = math.ceil(expected + 2 * math.sqrt(expected))
         return max(1, needed - running_above)
+
+
+def _average(means: dict[int, float], priority: int, value: float) -> None:
+    """Move ``means[priority]`` towards ``value`` (the first value is taken as it is)."""
+    previous = means.get(priority)
+    means[priority] = value if previous is None else previous + _HELD_WEIGHT * (value - previous)
 
 
 def _surge(count: int, usual: float) -> bool:

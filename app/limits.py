@@ -48,6 +48,18 @@ class Limits:
         most = min(self._settings.max_running_per_worker, worker.limit.limit)
         return most if fit >= most else max(1, math.floor(fit))
 
+    def stretched_cap(self, worker: Worker) -> int:
+        """The most ``worker`` may run when the extra requests keep TPOT within its target.
+
+        The running limit is steered to keep TPOT at the aim (the target x the headroom), and
+        TPOT grows at most in proportion to the batch, so the limit / headroom still keeps
+        the target. Bounded, as :meth:`cap` is, by the hard cap and the KV-cache fit.
+        """
+        fit = worker.kv_fit()
+        limit = worker.limit.value / self._settings.ttft_headroom
+        most = min(self._settings.max_running_per_worker, math.floor(limit + 1e-9))
+        return most if fit >= most else max(1, math.floor(fit))
+
     def _decode_fit(self, worker: Worker) -> float:
         """How many running requests keep TPOT at the aim, by the worker's learnt decode line.
 

@@ -72,32 +72,48 @@ class OnlineLinear:
 
 
 class RecentQuantile:
-    """A quantile of the last ``size`` observations (e.g. a worker's recent times to first token).
+    """A quantile of the last ``size`` observations of the last ``window_s`` seconds.
 
-    Kept sorted as they come, so reading the quantile is one index.
+    For example a worker's recent times to first token. Kept sorted as they come, so reading
+    the quantile is one index. Observations age out: an overload's slow first tokens would
+    otherwise stand for the next 50 requests, which at a light load take a minute to come,
+    and turn requests away on a worker that has long been idle.
     """
 
-    __slots__ = ("_order", "_quantile", "_sorted")
+    __slots__ = ("_order", "_quantile", "_size", "_sorted", "_window")
 
-    def __init__(self, quantile: float, size: int = 50) -> None:
+    def __init__(self, quantile: float, size: int = 50, window_s: float = 10.0) -> None:
         self._quantile = quantile
-        self._order: deque[float] = deque(maxlen=size)
+        self._size = size
+        self._window = window_s
+        self._order: deque[tuple[float, float]] = deque()
+        """``(when, value)`` in the order observed."""
         self._sorted: list[float] = []
 
-    def observe(self, value: float) -> None:
-        """Add ``value``, forgetting the oldest observation once the window is full."""
-        order = self._order
-        if len(order) == order.maxlen:
-            del self._sorted[bisect.bisect_left(self._sorted, order[0])]
-        order.append(value)
+    def observe(self, value: float, now: float) -> None:
+        """Add ``value`` seen at ``now``, forgetting the oldest once the window is full."""
+        self._forget(now)
+        if len(self._order) == self._size:
+            self._drop()
+        self._order.append((now, value))
         bisect.insort(self._sorted, value)
 
-    def value(self, default: float = 0.0) -> float:
-        """The quantile of the window (nearest rank), or ``default`` before any observation."""
+    def value(self, now: float, default: float = 0.0) -> float:
+        """The quantile of the window (nearest rank), or ``default`` when it is empty."""
+        self._forget(now)
         ordered = self._sorted
         if not ordered:
             return default
         return ordered[min(len(ordered) - 1, int(self._quantile * len(ordered)))]
+
+    def _forget(self, now: float) -> None:
+        order, since = self._order, now - self._window
+        while order and order[0][0] < since:
+            self._drop()
+
+    def _drop(self) -> None:
+        _, value = self._order.popleft()
+        del self._sorted[bisect.bisect_left(self._sorted, value)]
 
 
 # Decode steps and prefill share the worker: each running sequence slows prefill a little.

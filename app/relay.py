@@ -293,7 +293,7 @@ class Relay(Response):
             return  # the tokenizer's answer: no prefill to learn from
         ttft = at - lease.dispatched
         worker.latency.observe_ttft(lease.choice.prefill_work, ttft)
-        worker.recent_ttft.observe(ttft)
+        worker.recent_ttft.observe(ttft, at)
         deps.metrics.worker_ttft.labels(worker.label).observe(ttft)
         deps.metrics.prediction_error.labels(self._tier).observe(
             abs(ttft - lease.choice.predicted_ttft_s)

@@ -43,6 +43,7 @@ import random
 import secrets
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,11 +282,23 @@ def summarize(outcomes: Sequence[Outcome], duration: float) -> dict[str, dict[st
             "queued": sum(q >= 1.0 for q in queued),
             "rejected": len(rejected),
             "rejected_pct": 100 * len(rejected) / len(mine) if mine else None,
+            "rejected_reasons": dict(Counter(_reason(o) for o in rejected)),
             "other_errors": len(mine) - len(answered) - len(rejected),
             "lost": sum(o.lost for o in mine),
             "retry_after_s": sorted({o.retry_after for o in rejected if o.retry_after}),
         }
     return rows
+
+
+def _reason(outcome: Outcome) -> str:
+    """The error code of a refused request (``http 429 deadline_unreachable``'s last word)."""
+    return (outcome.error or "-").rsplit(" ", 1)[-1]
+
+
+def _reasons(row: Mapping[str, Any]) -> str:
+    """`` (code count, ...)`` of a row's refusals, most frequent first; empty when none."""
+    reasons = sorted(row.get("rejected_reasons", {}).items(), key=lambda kv: -kv[1])
+    return f" ({', '.join(f'{code} {n}' for code, n in reasons)})" if reasons else ""
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -329,7 +342,8 @@ def sweep_table(runs: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             f"| {run['name']} | {_fmt(run['offered_rps'])} "
             f"| {_fmt(on['all']['goodput_rps'], 2)} / {_fmt(off['all']['goodput_rps'], 2)} "
-            f"| {_fmt(_ratio(run), 2)}x | {on['all']['rejected']} / {off['all']['rejected']} "
+            f"| {_fmt(_ratio(run), 2)}x | {on['all']['rejected']}{_reasons(on['all'])} / "
+            f"{off['all']['rejected']} "
             f"| {on['all']['queued']} ({_fmt(on['all']['queue_ms_p99'])}) "
             f"| {_fmt(None if a_on is None else 100 * a_on)}% / "
             f"{_fmt(None if a_off is None else 100 * a_off)}% "

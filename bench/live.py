@@ -240,10 +240,10 @@ async def stream_chat(
             queued = response.headers.get("x-gateway-queue-ms")
             outcome.queue_ms = float(queued) if queued else None
             if response.status_code != 200:
-                await response.aread()
+                answer = await response.aread()
                 value = response.headers.get("retry-after")
                 outcome.retry_after = float(value) if value else None
-                outcome.error = f"http {response.status_code}"
+                outcome.error = f"http {response.status_code} {_error_code(answer)}"
                 return outcome
             last = sent
             done = False
@@ -267,6 +267,15 @@ async def stream_chat(
         outcome.error = type(exc).__name__
         outcome.lost = outcome.status == 0
     return outcome
+
+
+def _error_code(body: bytes) -> str:
+    """The ``code`` of an OpenAI-shaped error body (``-`` when there is none)."""
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return "-"
+    return str(error.get("code") or "-") if isinstance(error, dict) else "-"
 
 
 def arrival_times(rate: float, duration_s: float, rng: random.Random) -> list[float]:

@@ -25,6 +25,7 @@ from app.goodput import GoodputTracker, slo_result
 from app.lease import Lease
 from app.limiter import ConcurrencyLimit, DecodePace
 from app.limits import Limits
+from app.loadsignals import LoadSample
 from app.metrics import GatewayMetrics
 from app.outcome import DECISION_REASONS, SloResult
 from app.predictor import RecentQuantile
@@ -275,6 +276,73 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     assert admission.demand._held[interactive.priority] == pytest.approx(6.6)
 
 
+def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -> None:
+    # Interactive and standard arrive at 2/s each for 10 s; their streams took 2.82 s (0.3 s to
+    # the first token, 63 tokens at 40 ms). As measured, 2 x 2 x 2.82 = 11.6 slots are expected
+    # of the worker's 20: no saturation, so batch takes any free slot. At the TPOT aim (80 ms
+    # a token) the same arrivals would "expect" 2 x 2 x 5.34 = 21.9 and keep slots for them.
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 20
+    batch = _ticket(settings, clock, "batch")
+    top, middle = (_tier(settings, name).priority for name in ("interactive", "standard"))
+    for name in ("interactive", "standard"):
+        admission.completed(name, 2.82, decode_s=2.52, decoded=63)
+
+    def arrive(per_second: int) -> None:
+        """Both tiers at ``per_second`` each over the 10 s before now."""
+        times = [clock.now - 9.75 + t / per_second for t in range(10 * per_second)]
+        _arrive(admission, [(at, p) for at in times for p in (top, middle)])
+
+    arrive(2)
+    assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 20 / 9.75 * 2.82)
+    assert sum(admission.demand.expected_slots(clock.now).values()) > 20
+    worker.in_flight = 19
+    assert admission._try(batch, clock.now) is not None
+    # Twice the arrivals: 23 slots as measured, more than the worker runs. Now batch leaves
+    # the slots the tiers above are expected to need, sized at the aim.
+    clock.now += 10.0
+    arrive(4)
+    assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 40 / 9.75 * 2.82)
+    worker.in_flight = 10
+    assert admission._try(batch, clock.now) is None
+
+
+def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
+    """A running request cannot be preempted: a higher tier uses the headroom between the aim
+    the running limit keeps and the TPOT target instead of being turned away."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 20  # TPOT at the aim (0.8 x target): 25 keep the target
+    interactive, standard, batch = (
+        _tier(settings, name) for name in ("interactive", "standard", "batch")
+    )
+    assert admission.limits.stretched_cap(worker) == 25
+    # At the limit with only interactive running, nobody gets more.
+    worker.in_flight = 20
+    worker.tier_in_flight["interactive"] = 20
+    for tier in (interactive, standard, batch):
+        assert admission._full(worker, tier, reserving=False)
+    # Three of them batch: interactive and standard may run three more, batch may not.
+    worker.tier_in_flight["interactive"], worker.tier_in_flight["batch"] = 17, 3
+    assert not admission._full(worker, standard, reserving=False)
+    worker.in_flight = 23
+    assert admission._full(worker, interactive, reserving=False)
+    assert admission._full(worker, batch, reserving=False)
+    # Never past the stretched cap, however many lower-tier requests run.
+    worker.tier_in_flight["interactive"], worker.tier_in_flight["batch"] = 5, 19
+    worker.in_flight = 24
+    assert not admission._full(worker, interactive, reserving=False)
+    worker.in_flight = 25
+    assert admission._full(worker, interactive, reserving=False)
+    # Nor past what the KV cache holds: 22 requests of 1,000 tokens.
+    pool.record_tokens(worker, 900, 100)
+    worker.load = LoadSample(0, 0, 0.0, clock.now, kv_tokens=22_000)
+    assert admission.limits.stretched_cap(worker) == 22
+
+
 def test_a_surge_is_read_from_the_shortest_span_where_it_cannot_be_chance() -> None:
     clock = FakeClock()
     admission, _, _, _ = _controller(clock)
@@ -520,7 +588,7 @@ async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_
         """An interactive request queued behind a busy worker, ``waited`` seconds later."""
         worker.in_flight = 1
         for _ in range(50):
-            worker.recent_ttft.observe(recent_ttft)
+            worker.recent_ttft.observe(recent_ttft, clock.now)
         task = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
         await asyncio.sleep(0)
         clock.now += waited
@@ -542,16 +610,23 @@ async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_
 
 
 def test_recent_quantile_reads_only_the_last_observations() -> None:
-    recent = RecentQuantile(0.8, size=5)
-    assert recent.value(default=0.25) == 0.25
-    for value in (5.0, 1.0, 4.0, 2.0, 3.0):
-        recent.observe(value)
-    assert recent.value() == 5.0  # nearest rank: the 5th of 5 at q=0.8 (index 4)
-    for value in (0.1, 0.2, 0.3, 0.4):
-        recent.observe(value)  # 5.0, 1.0, 4.0, 2.0 fall out of the window
-    assert recent.value() == 3.0
-    recent.observe(0.5)
-    assert recent.value() == 0.5
+    recent = RecentQuantile(0.8, size=5, window_s=10.0)
+    assert recent.value(0.0, default=0.25) == 0.25
+    for t, value in enumerate((5.0, 1.0, 4.0, 2.0, 3.0)):
+        recent.observe(value, float(t))
+    assert recent.value(4.0) == 5.0  # nearest rank: the 5th of 5 at q=0.8 (index 4)
+    for t, value in enumerate((0.1, 0.2, 0.3, 0.4), start=5):
+        recent.observe(value, float(t))  # 5.0, 1.0, 4.0, 2.0 fall out of the window
+    assert recent.value(8.0) == 3.0
+    recent.observe(0.5, 9.0)
+    assert recent.value(9.0) == 0.5
+    # Observations older than the window age out: an overload's slow first token does not
+    # stand for a worker that has been quick since.
+    recent.observe(9.0, 12.0)
+    recent.observe(0.1, 20.0)
+    assert recent.value(21.0) == 9.0  # 9.0 (t=12) and 0.1 (t=20) are within the last 10 s
+    assert recent.value(22.5) == 0.1
+    assert recent.value(30.5, default=0.25) == 0.25
 
 
 async def test_a_request_that_cannot_meet_its_ttft_even_by_waiting_is_rejected_429() -> None:

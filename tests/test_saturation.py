@@ -80,7 +80,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     # The worker holds 5 requests back for capacity, and its first tokens come late.
     worker.load = LoadSample(10, 5, 0.3, clock.now, capacity_waiting=5)
     for _ in range(50):
-        worker.recent_ttft.observe(0.7)
+        worker.recent_ttft.observe(0.7, clock.now)
     batch = asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
     standard = asyncio.create_task(admission.admit(_ticket(settings, clock, "standard")))
     await asyncio.sleep(0)
