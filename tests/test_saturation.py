@@ -124,6 +124,25 @@ async def test_a_prompt_too_long_for_its_tier_is_refused_with_that_reason() -> N
     assert _decisions(metrics, "interactive", "rejected", "prompt_too_long") == 1
 
 
+async def test_a_prompt_an_idle_worker_would_serve_in_time_is_not_refused_after_load() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock)
+    prefill = pool.workers["a:1"].latency.prefill
+    # Under load each first token also waited 0.6 s of decode steps and queueing: the line
+    # learnt carries that in its intercept.
+    for _ in range(200):
+        for work in (500.0, 1500.0, 3000.0):
+            prefill.observe(work, 0.6 + 0.0006 * work)
+    assert prefill.predict(900) > 1.0
+    lease, waited = await admission.admit(_ticket(settings, clock, "interactive", 900))
+    assert waited == 0.0
+    assert _decisions(metrics, "interactive", "rejected") == 0
+    lease.release(clock.now)
+    with pytest.raises(Overloaded) as caught:
+        await admission.admit(_ticket(settings, clock, "interactive", 2_000))
+    assert caught.value.code == "prompt_too_long"
+
+
 async def test_other_replicas_requests_and_the_kv_cache_count_against_the_limit() -> None:
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock)
