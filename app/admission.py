@@ -113,6 +113,7 @@ class AdmissionController:
         workers: int = 1,
         now: float | None = None,
         reserving: bool = True,
+        pool_slots: float = math.inf,
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
@@ -125,6 +126,8 @@ class AdmissionController:
         requests in the last seconds: the running slots that tier is expected to need
         (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for
         it, leaving a lower tier at least the last slot of an otherwise empty worker.
+        ``pool_slots`` is what all the workers may run (a tier expected to fill them is at
+        risk before it misses).
         """
         now = self._clock() if now is None else now
         limits = self.limits
@@ -141,7 +144,8 @@ class AdmissionController:
                     below += n
             if below:
                 cap = max(cap, min(limits.stretched_cap(worker), cap + below))
-            kept = self.demand.kept_for_higher(tier, workers, above, now) if reserving else 0
+            demand = self.demand
+            kept = demand.kept_for_higher(tier, workers, above, now, pool_slots) if reserving else 0
             if kept:
                 cap -= min(cap - 1, kept)
                 prefill_cap -= min(prefill_cap - 1, 1)
@@ -158,16 +162,17 @@ class AdmissionController:
         candidates = self._router.candidates(ticket.model)
         n = len(candidates)
         # Below saturation nothing is held back for higher tiers: see :meth:`_reserving`.
-        reserving = self._reserving(candidates, now)
+        slots = sum(self.limits.cap(w) for w in candidates)
+        reserving = self._reserving(slots, now)
         full = frozenset(
-            w.label for w in candidates if self._full(w, ticket.tier, n, now, reserving)
+            w.label for w in candidates if self._full(w, ticket.tier, n, now, reserving, slots)
         )
         if len(full) == n:
             return None
         return self._router.choose(ticket.model, ticket.own_tokens, ticket.route, full)
 
-    def _reserving(self, candidates: list[Worker], now: float) -> bool:
-        """Whether lower tiers must leave slots free for higher ones on ``candidates`` now.
+    def _reserving(self, slots: int, now: float) -> bool:
+        """Whether lower tiers must leave slots free for higher ones on workers of ``slots``.
 
         Only when the pool is expected to saturate: every tier's expected running slots
         (Little's law over the holds as measured, :meth:`app.demand.TierDemand.expected_total`)
@@ -175,7 +180,7 @@ class AdmissionController:
         its tier, and holding slots back would only queue lower tiers on workers with room.
         """
         expected = self.demand.expected_total(now)
-        return expected > 0 and expected >= sum(self.limits.cap(w) for w in candidates)
+        return expected > 0 and expected >= slots
 
     def _min_service(self, ticket: Ticket) -> float:
         """The prefill of the request's own prompt on the fastest worker: no wait shortens it.

@@ -34,6 +34,8 @@ _MIN_SPAN_S = 1.0
 _HELD_WEIGHT = 0.1
 # How long lower tiers yield after a higher tier had a request turned away.
 _SHORTAGE_S = 2.0
+# How long after a higher tier had a request turned away lower tiers keep slots free for it.
+_AT_RISK_S = 10.0
 _NOT_COMPUTED: tuple[float, dict[int, float]] = (-math.inf, {})
 WINDOWS_S = (_ACTIVE_S, *_SURGE_SPANS_S)
 """Every window arrivals are counted over: the long one, then the surge spans."""
@@ -89,6 +91,7 @@ class TierDemand:
         self._held_seen: dict[int, float] = {}
         """Per tier priority: the mean hold as measured (whether the pool will saturate)."""
         self._short_until: dict[int, float] = {}
+        self._short_at: dict[int, float] = {}
         self._rates: tuple[float, dict[int, float]] = _NOT_COMPUTED
         self.fleet: ArrivalCounts | None = None
         """The rest of the fleet's arrivals, added to this process's own (None: alone)."""
@@ -147,6 +150,7 @@ class TierDemand:
     def short(self, priority: int, now: float) -> None:
         """Tier ``priority`` had a request turned away: lower tiers yield for a while."""
         self._short_until[priority] = now + _SHORTAGE_S
+        self._short_at[priority] = now
 
     def yields(self, tier: TierSpec, now: float) -> bool:
         """Whether ``tier`` must leave free capacity to a higher tier that is short of it."""
@@ -208,21 +212,44 @@ class TierDemand:
         """
         return sum(self._expected(now, self._held_seen).values())
 
-    def kept_for_higher(self, tier: TierSpec, workers: int, running_above: int, now: float) -> int:
+    def kept_for_higher(
+        self,
+        tier: TierSpec,
+        workers: int,
+        running_above: int,
+        now: float,
+        pool_slots: float = math.inf,
+    ) -> int:
         """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.
 
-        Zero when no tier above had requests in the last ``_ACTIVE_S`` seconds, else at least
-        one. What the tiers above are expected to hold (:meth:`expected_slots`), spread over
-        ``workers``, plus two standard deviations (Poisson arrivals) for their bursts, less
-        ``running_above``, what they hold on this worker now: their next requests then start at
-        once instead of waiting for a lower tier's request to finish.
+        Slots are kept only for a tier above that is at risk: it had a request turned away
+        (:meth:`short`) in the last ``_AT_RISK_S`` seconds, or its own expected slots
+        (:meth:`expected_slots`, plus two standard deviations for Poisson bursts) reach
+        ``pool_slots``, all the workers may run, so that any slot a lower tier takes is one
+        it will miss. Keeping them on expected demand alone held lower tiers back on a guess:
+        at 0.75x of capacity, under the limits a warm-up had left, standard requests were
+        refused while a worker ran 1-2 of its 7 slots and interactive requests never waited.
+        Zero when no tier above is at risk, else at least one: what the tiers at risk are
+        expected to hold, spread over ``workers``, plus two standard deviations, less
+        ``running_above``, what the tiers above hold on this worker now. Their next requests
+        then start at once instead of waiting for a lower tier's request to finish.
         """
-        higher = [v for p, v in self.expected_slots(now).items() if p < tier.priority]
+        since = now - _AT_RISK_S
+        higher = [
+            slots
+            for p, slots in self.expected_slots(now).items()
+            if p < tier.priority
+            and (self._short_at.get(p, -math.inf) >= since or _with_margin(slots) >= pool_slots)
+        ]
         if not higher:
             return 0
-        expected = sum(higher) / max(workers, 1)
-        needed = math.ceil(expected + 2 * math.sqrt(expected))
+        needed = math.ceil(_with_margin(sum(higher) / max(workers, 1)))
         return max(1, needed - running_above)
+
+
+def _with_margin(expected: float) -> float:
+    """``expected`` Poisson arrivals' slots plus two standard deviations for their bursts."""
+    return expected + 2 * math.sqrt(expected)
 
 
 def _average(means: dict[int, float], priority: int, value: float) -> None:

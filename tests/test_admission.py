@@ -150,8 +150,11 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     assert admission._full(worker)
     worker.prefilling = 2
     assert not admission._full(worker)
-    # Below the top tier, one prefill slot stays free for it.
+    # Below the top tier, one prefill slot stays free for it, once it is at risk: it had a
+    # request turned away in the last 10 s.
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+    assert not admission._full(worker, batch)
+    admission.demand.short(interactive.priority, clock.now)
     assert not admission._full(worker, interactive)
     assert admission._full(worker, batch)
     # With one interactive arrival and nothing finished yet, one running slot is kept for it.
@@ -186,6 +189,11 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     admission.completed("interactive", 4.0)
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
+    # Nothing is kept on expected demand alone, only for a tier measured at risk: one that
+    # had a request turned away in the last 10 s.
+    worker.in_flight = 19
+    assert not admission._full(worker, batch)
+    admission.demand.short(interactive.priority, clock.now)
     for tier in (batch, standard):
         worker.in_flight = 10
         assert not admission._full(worker, tier)
@@ -229,6 +237,7 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     admission.completed("interactive", 4.0)
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
+    admission.demand.short(interactive.priority, clock.now)
     # 10/9 per second x 4 s = 4.4 slots expected in all, of the worker's 20: the 9 that _full
     # would keep for interactive (4.4 + 2 x sqrt(4.4)) are not kept; batch runs in the 19th.
     worker.in_flight = 18
@@ -248,6 +257,27 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
+def test_a_tier_that_alone_would_fill_the_pool_is_at_risk_before_it_misses() -> None:
+    """Slots are kept for a tier that had a request turned away, or whose own arrivals are
+    expected to take every slot the workers may run: then any slot a lower tier takes is one
+    it will miss."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 20
+    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+    admission.completed("interactive", 4.0)
+    # 2/s for 10 s, 4 s each: 8.2 slots expected, 13.9 with two standard deviations: short of
+    # the worker's 20, and interactive has had nothing turned away, so nothing is kept.
+    _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
+    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now, pool_slots=20) == 0
+    # 4/s: 16.4 expected, 24.5 with the margin, more than the 20 slots: at risk, all kept.
+    clock.now += 10.0
+    _arrive(admission, [(clock.now - 9.75 + t / 4, interactive.priority) for t in range(40)])
+    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now, pool_slots=20) == 25
+    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 0
+
+
 def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_load() -> None:
     # Default targets: strictest TPOT 100 ms, aim 80 ms. Interactive arrives at 1/s.
     clock = FakeClock()
@@ -257,6 +287,7 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
+    admission.demand.short(interactive.priority, clock.now)
     # Learnt at a light load: 0.3 s to the first token, then 63 tokens at 40 ms (2.82 s held).
     # At the aim those tokens take 5.04 s: 5.34 s held. At 10/9 per second 5.93 slots are
     # expected and ceil(5.93 + 2 x sqrt(5.93)) = 11 are kept: batch stops at 29. Counting the
@@ -304,6 +335,7 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     # the slots the tiers above are expected to need, sized at the aim.
     clock.now += 10.0
     arrive(4)
+    admission.demand.short(top, clock.now)
     assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 40 / 9.75 * 2.82)
     worker.in_flight = 10
     assert admission._try(batch, clock.now) is None
