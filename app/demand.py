@@ -90,8 +90,8 @@ class TierDemand:
         """Per tier priority: the mean hold, counted at least at the TPOT aim (slots kept)."""
         self._held_seen: dict[int, float] = {}
         """Per tier priority: the mean hold as measured (whether the pool will saturate)."""
-        self._short_until: dict[int, float] = {}
         self._short_at: dict[int, float] = {}
+        """Per tier priority: when it last had a request turned away."""
         self._rates: tuple[float, dict[int, float]] = _NOT_COMPUTED
         self.fleet: ArrivalCounts | None = None
         """The rest of the fleet's arrivals, added to this process's own (None: alone)."""
@@ -149,13 +149,14 @@ class TierDemand:
 
     def short(self, priority: int, now: float) -> None:
         """Tier ``priority`` had a request turned away: lower tiers yield for a while."""
-        self._short_until[priority] = now + _SHORTAGE_S
         self._short_at[priority] = now
 
     def yields(self, tier: TierSpec, now: float) -> bool:
         """Whether ``tier`` must leave free capacity to a higher tier that is short of it."""
         return any(
-            until > now for priority, until in self._short_until.items() if priority < tier.priority
+            now - at < _SHORTAGE_S
+            for priority, at in self._short_at.items()
+            if priority < tier.priority
         )
 
     def expected_slots(self, now: float) -> dict[int, float]:
