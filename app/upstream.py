@@ -146,11 +146,13 @@ class _WorkerTransport(AiohttpTransport):
 
 
 class _Chunks(httpx.AsyncByteStream):
-    """A worker's body, each read handed on as aiohttp's StreamReader has it.
+    """A worker's body, handed on HTTP chunk by HTTP chunk, as the worker wrote it.
 
-    ``httpx-aiohttp`` iterates ``iter_chunked(16384)``: an iterator object, a lambda and a
-    bounded read that gathers a list and joins it, for every SSE event of every stream.
-    ``readany`` returns what has arrived, as it is.
+    A streaming worker writes each SSE event as one HTTP chunk. When the relay falls behind,
+    several arrive in one socket read; handing the read on whole would merge them into one
+    chunk to the client (re-chunking the stream). aiohttp's ``readchunk`` stops at each
+    chunk's end, so every event is sent on by itself. (``httpx-aiohttp`` iterates
+    ``iter_chunked(16384)``: a bounded read that gathers a list and joins it, for every event.)
     """
 
     def __init__(self, stream: AiohttpResponseStream) -> None:
@@ -158,10 +160,14 @@ class _Chunks(httpx.AsyncByteStream):
         self._content = stream._aiohttp_response.content
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        read = self._content.readany
+        read = self._content.readchunk
         try:
-            while chunk := await read():
-                yield chunk
+            while True:
+                chunk, chunk_end = await read()
+                if chunk:
+                    yield chunk
+                elif not chunk_end:
+                    return  # the end of the body
         except aiohttp.ServerDisconnectedError as exc:
             raise httpx.RemoteProtocolError(str(exc)) from exc
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:

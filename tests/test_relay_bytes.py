@@ -12,6 +12,8 @@ back the ``system_fingerprint`` that vLLM moves onto it) when the client did not
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -134,3 +136,86 @@ async def test_a_worker_that_always_sends_usage_is_relayed_as_it_is() -> None:
     async with running_gateway(settings_for(WORKER), worker.transport) as url:
         relayed = await _relayed(url, asked_nothing)
     assert relayed == forced["upstream"].encode()
+
+
+class OneWriteWorker:
+    """A worker on a real socket that writes a whole stream's HTTP chunks in one write.
+
+    As a worker's events reach a relay that fell behind: several in one socket read.
+    """
+
+    def __init__(self, events: list[bytes]) -> None:
+        self.events = events
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+                await reader.readexactly(int(length[1]) if length else 0)
+                path = head.split(b" ", 2)[1]
+                if path.startswith(b"/v1/models"):
+                    card = {"id": "tiny-llama", "object": "model", "root": "tiny-llama"}
+                    body = json.dumps({"object": "list", "data": [card]}).encode()
+                    writer.write(_response(b"application/json", body))
+                elif not path.startswith(b"/v1/chat/completions"):
+                    writer.write(_response(b"text/plain", b""))
+                else:
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n"
+                        + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in self.events)
+                        + b"0\r\n\r\n"
+                    )
+                await writer.drain()
+        writer.close()
+
+
+def _response(content_type: bytes, body: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: " + content_type
+        + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    )  # fmt: skip
+
+
+async def _http_chunks(url: str, body: bytes) -> list[bytes]:
+    """The HTTP chunks of the gateway's answer to ``body``, read off the socket as sent."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    )
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), raw
+    chunks: list[bytes] = []
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return chunks
+        chunks.append(rest[:n])
+        rest = rest[n + 2 :]
+
+
+async def test_events_that_arrive_together_leave_as_the_chunks_the_worker_wrote() -> None:
+    """Never re-chunked: each event the worker wrote as a chunk reaches the client as one."""
+    case = CASES["chat_length_usage"]
+    events = _as_direct(case)
+    async with OneWriteWorker(events) as worker_url:
+        async with running_gateway(settings_for(worker_url)) as url:
+            chunks = await _http_chunks(url, case["request"].encode())
+    assert len(events) > 3
+    assert chunks == _events(case["direct"].encode())
