@@ -6,9 +6,13 @@ against the tiers' targets, and reads the workers' own saturation signals.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
+from app.limiter import ConcurrencyLimit
 from app.metrics import GatewayMetrics
+from app.outcome import LimitCut
 from app.settings import Settings
 from app.workers import Worker, WorkerPool
 
@@ -100,18 +104,29 @@ class Limits:
         if tpot_s is not None and self.tpot_target is not None:
             target = self.tpot_target
             running = worker.in_flight + 1 + self._others(worker, now)
-            worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load)
+            with self._cuts(worker, worker.limit, LimitCut.TPOT_MISS):
+                worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load)
             # Until the batch first outgrows the target, the limit stands where it started: the
             # decode line learnt from streams at a range of loads says where that will be, so
             # the first surge is not let in whole.
             bound = self._decode_fit(worker)
             if bound < worker.limit.value:
-                worker.limit.hold(bound, now)
+                with self._cuts(worker, worker.limit, LimitCut.DECODE_LINE):
+                    worker.limit.hold(bound, now)
         if worker_ttft_s is not None:
             target = self._ttft_target / 2
-            worker.prefill_limit.on_result(
-                worker_ttft_s, headroom * target, target, prefill_peers, now
-            )
+            with self._cuts(worker, worker.prefill_limit, LimitCut.TTFT_MISS):
+                worker.prefill_limit.on_result(
+                    worker_ttft_s, headroom * target, target, prefill_peers, now
+                )
+
+    @contextlib.contextmanager
+    def _cuts(self, worker: Worker, limit: ConcurrencyLimit, cause: LimitCut) -> Iterator[None]:
+        """Count a lowering of ``limit`` within the block as ``cause``."""
+        before = limit.value
+        yield
+        if limit.value < before:
+            self._metrics.limit_cut(worker.label, cause)
 
     def paced(self, worker: Worker, pace_s: float, now: float) -> None:
         """``worker``'s streams advanced ``pace_s`` per token over the last few seconds.
@@ -124,7 +139,8 @@ class Limits:
         target = self.tpot_target
         if target is not None and pace_s > target:
             running = worker.in_flight + self._others(worker, now)
-            worker.limit.cut(running, now, pace_s / target)
+            with self._cuts(worker, worker.limit, LimitCut.DECODE_PACE):
+                worker.limit.cut(running, now, pace_s / target)
 
     def occupied(self, worker: Worker, now: float) -> float:
         """What counts against ``worker``'s running limit: ours in flight plus others'."""

@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 
 from app.loadsignals import LoadSample
 from app.looplag import LAG_BUCKETS
-from app.outcome import DECISION_REASONS, Decision, Reason, SloResult
+from app.outcome import DECISION_REASONS, Decision, LimitCut, Reason, SloResult
 from app.protocol import Endpoint
 from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
 from app.timing import TimingSummary
@@ -371,6 +371,11 @@ class GatewayMetrics:
             "the last few seconds (cuts the concurrency limit when over the strictest TPOT).",
             by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
+        self.worker_limit_cuts = Counter(
+            "gateway_worker_limit_cuts",
+            "Times admission lowered the worker's running or prefill limit, by cause.",
+            ["worker", "cause"], registry=reg,
+        )  # fmt: skip
         self.worker_prefill_limit = Gauge(
             "gateway_worker_prefill_concurrency_limit",
             "Most requests admission lets prefill on the worker at once (keeps TTFT short).",
@@ -542,6 +547,10 @@ class GatewayMetrics:
             for result in SloResult:
                 self.slo_requests.labels(model, tier, result)
 
+    def limit_cut(self, worker: str, cause: LimitCut) -> None:
+        """Count one lowering of ``worker``'s running or prefill limit."""
+        self.worker_limit_cuts.labels(worker, cause).inc()
+
     def decide(self, tier: str, decision: Decision, reason: Reason = Reason.NONE) -> None:
         """Count one admission decision."""
         self.admission_decisions.labels(tier, decision, reason).inc()
@@ -625,3 +634,7 @@ class GatewayMetrics:
                     metric.remove(worker)
             elif isinstance(metric, Gauge):
                 metric.labels(worker).set(0)
+        if not self.multiprocess:
+            for cause in LimitCut:
+                with contextlib.suppress(KeyError):
+                    self.worker_limit_cuts.remove(worker, cause)

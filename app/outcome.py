@@ -64,6 +64,22 @@ class Reason(StrEnum):
     """A sheddable queued request made room for a more urgent one (decision ``shed``)."""
 
 
+class LimitCut(StrEnum):
+    """Why a worker's admission limit fell (``gateway_worker_limit_cuts_total{cause}``)."""
+
+    TPOT_MISS = "tpot_miss"
+    """A finished stream's TPOT was over the strictest TPOT target (running limit)."""
+    DECODE_PACE = "decode_pace"
+    """The worker's running streams together advanced slower than that target (running limit)."""
+    DECODE_LINE = "decode_line"
+    """The worker's learnt decode line puts the TPOT aim below the limit (running limit)."""
+    WORKER_QUEUEING = "worker_queueing"
+    """The worker reported requests waiting for capacity (running limit)."""
+    TTFT_MISS = "ttft_miss"
+    """The worker's own time to first token was over its share of the TTFT target (prefill
+    limit)."""
+
+
 DECISION_REASONS: dict[Decision, tuple[Reason, ...]] = {
     Decision.ADMITTED: (Reason.NONE,),
     Decision.QUEUED: (Reason.NONE,),

@@ -26,6 +26,7 @@ from app.discovery import Resolver, discover
 from app.limiter import ConcurrencyLimit, DecodePace
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import OTHER_MODEL, GatewayMetrics
+from app.outcome import LimitCut
 from app.predictor import LatencyModel, RecentQuantile, WorkerLoad
 from app.prefix import PrefixIndex
 from app.settings import Settings, WorkerSpec
@@ -225,6 +226,8 @@ class WorkerPool:
             self._metrics.worker_prefix_hits,
         ):
             counter.labels(worker.label)
+        for cause in LimitCut:
+            self._metrics.worker_limit_cuts.labels(worker.label, cause)
         for model in worker.models:
             self._metrics.start_model(model)
         log.info("worker %s added (%s)", worker.label, spec.base_url)
@@ -411,7 +414,10 @@ class WorkerPool:
         held = sample.capacity_waiting
         if held is not None and held >= self.settings.saturation_waiting:
             # The worker runs all it can and queues the rest: its limit is what it runs.
+            before = worker.limit.value
             worker.limit.hold(sample.running, sample.at)
+            if worker.limit.value < before:
+                self._metrics.limit_cut(worker.label, LimitCut.WORKER_QUEUEING)
         self._metrics.record_load(worker.label, sample)
 
     def _set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:

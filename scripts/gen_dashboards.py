@@ -940,6 +940,28 @@ def workers() -> Json:
             unit="s",
             width=8,
         ),
+        panel(
+            "timeseries",
+            "Admission limit cuts by cause",
+            "Times admission lowered the worker's limits, per second. Running limit: tpot_miss "
+            "(a finished stream over the strictest TPOT target), decode_pace (the running "
+            "streams together slower than it), decode_line (the learnt decode line puts the "
+            "TPOT aim below the limit), worker_queueing (vLLM held requests back for capacity). "
+            "Prefill limit: ttft_miss (the worker's own time to first token over its share of "
+            "the TTFT target).",
+            refs(
+                [
+                    (
+                        "sum by (worker, cause) "
+                        f"(rate(gateway_worker_limit_cuts_total{{{WI}}}[{RATE}]))",
+                        "{{cause}} {{worker}}",
+                    ),
+                ]
+            ),
+            unit="ops",
+            width=24,
+            height=6,
+        ),
         row("Saturation (vLLM's own figures)"),
         panel(
             "timeseries",

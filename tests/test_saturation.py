@@ -16,7 +16,7 @@ from app.goodput import judge
 from app.lease import Lease
 from app.loadsignals import LoadSample, parse_load
 from app.metrics import GatewayMetrics
-from app.outcome import Outcome, SloResult
+from app.outcome import LimitCut, Outcome, SloResult
 from app.settings import TierSpec
 from app.timing import TimingSummary
 from app.workers import WorkerPool
@@ -183,13 +183,18 @@ async def test_a_worker_holding_requests_back_for_capacity_sets_its_limit_to_wha
     client = httpx.AsyncClient(
         transport=httpx.MockTransport(lambda r: httpx.Response(200, text=page))
     )
-    pool = WorkerPool(settings, client, GatewayMetrics(settings), clock, NoDns())
+    metrics = GatewayMetrics(settings)
+    pool = WorkerPool(settings, client, metrics, clock, NoDns())
     worker = pool.workers["a:1"]
     assert worker.limit.limit == settings.max_running_per_worker
     await pool.scrape_load(worker)
     assert worker.load is not None
     assert worker.load.capacity_waiting == 3
     assert worker.limit.limit == 12
+    assert _cuts(metrics, "worker_queueing") == 1
+    # Still 12 running and 3 held back: the limit stands at 12, nothing more is cut.
+    await pool.scrape_load(worker)
+    assert _cuts(metrics, "worker_queueing") == 1
     await client.aclose()
 
 
@@ -254,3 +259,43 @@ def test_the_learnt_decode_line_lowers_an_untested_limit_but_light_traffic_does_
             worker.latency.observe_tpot(float(load), tpot)
             limits.learn(worker, 0.02, tpot, 1, clock.now, float(load))
     assert limits.cap(worker) == pytest.approx(30, abs=2)
+
+
+def _cuts(metrics: GatewayMetrics, cause: str) -> float:
+    return sum(
+        sample.value
+        for metric in metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "gateway_worker_limit_cuts_total" and sample.labels["cause"] == cause
+    )
+
+
+def test_every_lowering_of_a_limit_is_counted_under_its_cause() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    worker.add_in_flight(20, clock.now)
+    # Within the aim: nothing falls, nothing is counted.
+    limits.learn(worker, 0.05, 0.03, 1, clock.now, 20.0)
+    assert sum(_cuts(metrics, c) for c in LimitCut) == 0
+    # A finished stream over the 100 ms TPOT target.
+    limits.learn(worker, None, 0.15, 1, clock.now, 20.0)
+    assert _cuts(metrics, "tpot_miss") == 1
+    # The worker's running streams together slower than the target, a cooldown later and
+    # once the load is under the first cut's limit.
+    clock.now += 1.5
+    worker.add_in_flight(-15, clock.now)
+    limits.paced(worker, 0.2, clock.now)
+    assert _cuts(metrics, "decode_pace") == 1
+    # The worker's own first token far over its 0.5 s share of the TTFT target.
+    limits.learn(worker, 2.0, None, 4, clock.now)
+    assert _cuts(metrics, "ttft_miss") == 1
+    # A decode line learnt over loads 5-40 (20 ms + 2 ms a stream) under a limit above 30.
+    admission, pool, metrics, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    for load in range(5, 41, 5):
+        worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
+    limits.learn(worker, None, 0.03, 1, clock.now, 5.0)
+    assert _cuts(metrics, "decode_line") == 1
+    assert limits.cap(worker) == pytest.approx(30, abs=2)
+    assert sum(_cuts(metrics, c) for c in LimitCut) == 1

@@ -38,6 +38,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "gateway_worker_routed_requests_total": _WORKER,
     "gateway_worker_failovers_total": _WORKER,
     "gateway_worker_ejections_total": _WORKER,
+    "gateway_worker_limit_cuts_total": ("worker", "cause"),
     "gateway_worker_completion_tokens_total": _WORKER,
     "gateway_worker_prefix_query_tokens_total": _WORKER,
     "gateway_worker_predicted_prefix_hit_tokens_total": _WORKER,
