@@ -108,8 +108,11 @@ class Limits:
                 worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load)
             # Until the batch first outgrows the target, the limit stands where it started: the
             # decode line learnt from streams at a range of loads says where that will be, so
-            # the first surge is not let in whole.
-            bound = self._decode_fit(worker)
+            # the first surge is not let in whole. Only a stream within the aim asks the line:
+            # one over it measured the crossing itself, and a line through the prior and a pace
+            # flat at the aim crosses it right where the first streams ran, far below the load
+            # the worker keeps within the target.
+            bound = self._decode_fit(worker) if tpot_s <= headroom * target else math.inf
             if bound < worker.limit.value:
                 with self._cuts(worker, worker.limit, LimitCut.DECODE_LINE):
                     worker.limit.hold(bound, now)

@@ -299,3 +299,17 @@ def test_every_lowering_of_a_limit_is_counted_under_its_cause() -> None:
     assert _cuts(metrics, "decode_line") == 1
     assert limits.cap(worker) == pytest.approx(30, abs=2)
     assert sum(_cuts(metrics, c) for c in LimitCut) == 1
+
+
+def test_a_pace_flat_just_over_the_aim_is_not_bounded_by_the_prior() -> None:
+    clock = FakeClock()
+    admission, pool, _, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    # Streams that ran at 110-400 all at 81 ms, over the 80 ms aim and within the 100 ms
+    # target: the line through the prior's 20 ms at loads 0 and 1 crosses the aim at about
+    # their load, but the streams measured the worker there themselves.
+    for i in range(30):
+        load, tpot = 110.0 + 10 * i, 0.081
+        worker.latency.observe_tpot(load, tpot)
+        limits.learn(worker, 0.02, tpot, 1, clock.now, load)
+    assert limits.cap(worker) == 256
