@@ -141,11 +141,12 @@ _SAMPLED = (
     "gateway_worker_prefilling_requests",
     "gateway_queue_depth",
     "gateway_in_flight_requests",
+    "gateway_worker_limit_cuts_total",
 )
 
 
-def _parse_sample(text: str) -> dict[str, float]:
-    """The gauges admission steers by, keyed ``name{worker or tier}``, summed over other labels."""
+def parse_sample(text: str) -> dict[str, float]:
+    """Admission's gauges and limit cuts, keyed ``name{worker or tier}`` (and ``,cause``)."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -153,6 +154,8 @@ def _parse_sample(text: str) -> dict[str, float]:
                 continue
             labels = sample.labels
             key = f"{sample.name}{{{labels.get('worker') or labels.get('tier', '')}}}"
+            if "cause" in labels:
+                key = f"{sample.name}{{{labels['worker']},{labels['cause']}}}"
             values[key] = values.get(key, 0.0) + sample.value
     return values
 
@@ -164,7 +167,7 @@ async def sample_gateway(gateway: str, period: float, into: list[dict[str, float
         while True:
             try:
                 response = await client.get(f"{gateway}/metrics")
-                into.append({"t": time.perf_counter() - start, **_parse_sample(response.text)})
+                into.append({"t": time.perf_counter() - start, **parse_sample(response.text)})
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(period)
@@ -455,11 +458,27 @@ class Bench:
                     sampler.cancel()
                 took = time.perf_counter() - started
             results[mode] = summarize(outcomes, duration)
+            results[mode]["limit_cuts"] = cuts = limit_cuts(timeline)
             raw[mode] = [o.as_dict() for o in outcomes]
             on = results[mode]["all"]
+            told = ", ".join(f"{cause} {n:g}" for cause, n in sorted(cuts.items())) or "none"
             log(f"{name} {mode}: goodput {on['goodput_rps']:.2f} req/s, {on['rejected']} "
-                f"rejected, {on['lost']} lost, all answered after {took:.0f} s")  # fmt: skip
+                f"rejected, {on['lost']} lost, all answered after {took:.0f} s; "
+                f"limit cuts: {told}")  # fmt: skip
         return {"name": name, "results": results, "requests": raw, "timeline": timelines}
+
+
+def limit_cuts(timeline: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Admission's limit cuts during a run, by cause over all workers (first to last sample)."""
+    if not timeline:
+        return {}
+    first, last = timeline[0], timeline[-1]
+    cuts: dict[str, float] = {}
+    for key, value in last.items():
+        if key.startswith("gateway_worker_limit_cuts_total{"):
+            cause = key[:-1].rsplit(",", 1)[1]
+            cuts[cause] = cuts.get(cause, 0.0) + value - first.get(key, 0.0)
+    return {cause: n for cause, n in cuts.items() if n}
 
 
 def await_processes(redis: RedisServer, processes: int, timeout: float = 60.0) -> None:
