@@ -74,12 +74,12 @@ def create_app(
         client = make_client(settings, transport)
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
         router = Router(settings, pool, metrics=metrics)
-        limits = Limits(settings, metrics)
+        lag = LoopLagProbe(metrics.loop_lag)
+        limits = Limits(settings, metrics, lag)
         admission = AdmissionController(settings, router, limits, metrics, clock)
         goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
         recorder = Recorder(settings, metrics, goodput, auth, sizer, pool, limits)
-        lag = LoopLagProbe(metrics.loop_lag)
         lag.start()
         exporter: asyncio.Task[None] | None = None
         try:

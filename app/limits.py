@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator
 
 from app.limiter import ConcurrencyLimit
+from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.outcome import LimitCut
 from app.settings import Settings
@@ -19,6 +20,9 @@ from app.workers import Worker, WorkerPool
 # The least spread of the loads finished streams ran at before the learnt decode line bounds
 # the running limit (a line through loads of 1 and 2 says nothing of 25).
 _MIN_LOAD_SPREAD = 4.0
+# The waits on the event loop between a request's dispatch and its first event's arrival
+# (connect, send, response head, first chunk): a loop running late delays each of them.
+_LOOP_WAITS = 4
 
 
 class Limits:
@@ -32,9 +36,12 @@ class Limits:
     are within the target times the headroom (the aim) and is cut when one is over the target.
     """
 
-    def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, settings: Settings, metrics: GatewayMetrics, lag: LoopLagProbe | None = None
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
+        self._lag = lag
         self.tpot_target = settings.strictest_tpot_s
         """The strictest TPOT target; the running limit keeps it."""
         self.tpot_aim = (
@@ -116,8 +123,8 @@ class Limits:
             if bound < worker.limit.value:
                 with self._cuts(worker, worker.limit, LimitCut.DECODE_LINE):
                     worker.limit.hold(bound, now)
-        if worker_ttft_s is not None:
-            target = self._ttft_target / 2
+        target = self._ttft_target / 2
+        if worker_ttft_s is not None and not self._own_delay(worker_ttft_s - target):
             with self._cuts(worker, worker.prefill_limit, LimitCut.TTFT_MISS):
                 worker.prefill_limit.on_result(
                     worker_ttft_s, headroom * target, target, prefill_peers, now
@@ -130,6 +137,17 @@ class Limits:
         yield
         if limit.value < before:
             self._metrics.limit_cut(worker.label, cause)
+
+    def _own_delay(self, excess_s: float) -> bool:
+        """Whether the gateway's own lateness may account for a first token ``excess_s`` late.
+
+        The gateway times the worker's first token when its event loop gets round to reading
+        it: a loop running late (the gateway itself saturated) delays each of the waits on the
+        way there and back. A prefill miss that delay accounts for is the gateway's, not the
+        worker's, and cutting the worker's prefill limit for it turns away what the worker
+        could serve. Such a result neither cuts nor raises the limit.
+        """
+        return excess_s > 0 and self._lag is not None and _LOOP_WAITS * self._lag.late >= excess_s
 
     def paced(self, worker: Worker, pace_s: float, now: float) -> None:
         """``worker``'s streams advanced ``pace_s`` per token over the last few seconds.

@@ -11,6 +11,7 @@ resolution of one millisecond, so lags below it are timer rounding, not load.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from prometheus_client import Histogram
 
@@ -26,12 +27,18 @@ class LoopLagProbe:
     One timer per gateway, whatever the traffic: nothing on the per-request path.
     """
 
-    def __init__(self, histogram: Histogram, interval_s: float = 0.25) -> None:
+    def __init__(self, histogram: Histogram, interval_s: float = 0.25, recent: int = 4) -> None:
         self._histogram = histogram
         self._interval = interval_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
+        self._recent: deque[float] = deque(maxlen=recent)
+
+    @property
+    def late(self) -> float:
+        """The largest lag of the last few ticks (a second's worth by default)."""
+        return max(self._recent, default=0.0)
 
     def start(self) -> None:
         """Start probing the running loop."""
@@ -52,5 +59,10 @@ class LoopLagProbe:
     def _tick(self) -> None:
         assert self._loop is not None
         now = self._loop.time()
-        self._histogram.observe(max(0.0, now - self._due))
+        self.observe(max(0.0, now - self._due))
         self._schedule(now)
+
+    def observe(self, lag: float) -> None:
+        """Record one tick ``lag`` seconds late."""
+        self._histogram.observe(lag)
+        self._recent.append(lag)

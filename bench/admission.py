@@ -444,6 +444,7 @@ class Bench:
         results: dict[str, dict[str, Any]] = {}
         raw: dict[str, list[dict[str, Any]]] = {}
         timelines: dict[str, list[dict[str, float]]] = {}
+        cut_counts: dict[str, dict[str, float]] = {}
         for mode in self.args.modes.split(","):
             await reset_prefix_caches(self.urls)
             with self.gateway(mode, name) as gateway:
@@ -458,14 +459,17 @@ class Bench:
                     sampler.cancel()
                 took = time.perf_counter() - started
             results[mode] = summarize(outcomes, duration)
-            results[mode]["limit_cuts"] = cuts = limit_cuts(timeline)
+            cuts = cut_counts[mode] = limit_cuts(timeline)
             raw[mode] = [o.as_dict() for o in outcomes]
             on = results[mode]["all"]
             told = ", ".join(f"{cause} {n:g}" for cause, n in sorted(cuts.items())) or "none"
             log(f"{name} {mode}: goodput {on['goodput_rps']:.2f} req/s, {on['rejected']} "
                 f"rejected, {on['lost']} lost, all answered after {took:.0f} s; "
                 f"limit cuts: {told}")  # fmt: skip
-        return {"name": name, "results": results, "requests": raw, "timeline": timelines}
+        return {
+            "name": name, "results": results, "requests": raw, "timeline": timelines,
+            "limit_cuts": cut_counts,
+        }  # fmt: skip
 
 
 def limit_cuts(timeline: Sequence[Mapping[str, float]]) -> dict[str, float]:

@@ -14,7 +14,10 @@ import pytest
 from app.errors import Overloaded, QueueTimeout, Shed
 from app.goodput import judge
 from app.lease import Lease
+from app.limiter import ConcurrencyLimit
+from app.limits import Limits
 from app.loadsignals import LoadSample, parse_load
+from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.outcome import LimitCut, Outcome, SloResult
 from app.settings import TierSpec
@@ -313,3 +316,29 @@ def test_a_pace_flat_just_over_the_aim_is_not_bounded_by_the_prior() -> None:
         worker.latency.observe_tpot(load, tpot)
         limits.learn(worker, 0.02, tpot, 1, clock.now, load)
     assert limits.cap(worker) == 256
+
+
+def test_a_first_token_the_gateway_itself_read_late_does_not_cut_the_prefill_limit() -> None:
+    clock = FakeClock()
+    _, pool, metrics, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    probe = LoopLagProbe(metrics.loop_lag)
+    limits = Limits(settings, metrics, probe)
+    # The worker's share of the 1 s interactive TTFT target is 0.5 s.
+    worker.prefill_limit = ConcurrencyLimit(initial=16, maximum=256)
+    # The gateway's loop ran 100 ms late: four waits of it account for a first token 0.3 s
+    # over the share, so the worker is not blamed for it.
+    for lag in (0.02, 0.1, 0.05):
+        probe.observe(lag)
+    limits.learn(worker, 0.8, None, 16, clock.now)
+    assert limits.prefill_cap(worker) == 16
+    # Not for one 0.7 s over: that much is the worker's.
+    limits.learn(worker, 1.2, None, 16, clock.now)
+    assert limits.prefill_cap(worker) < 16
+    # Once the loop keeps time again (the last four ticks on time), a late first token is the
+    # worker's.
+    worker.prefill_limit = ConcurrencyLimit(initial=16, maximum=256)
+    for _ in range(4):
+        probe.observe(0.0005)
+    limits.learn(worker, 0.8, None, 16, clock.now)
+    assert limits.prefill_cap(worker) < 16
