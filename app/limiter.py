@@ -71,8 +71,10 @@ class ConcurrencyLimit:
         """The whole number of requests that may run."""
         return max(1, math.floor(self.value + 1e-9))
 
-    def cut(self, in_flight: float, now: float, over: float = 1.0) -> None:
+    def cut(self, in_flight: float, now: float, over: float = 1.0) -> bool:
         """A miss at ``now`` with ``in_flight`` running: cut, at most once per cooldown.
+
+        Returns whether the limit fell.
 
         From the lower of the limit and ``in_flight``, as TCP cuts from the data in flight
         rather than from its window: a limit the load has not reached holds nothing back, and
@@ -85,17 +87,26 @@ class ConcurrencyLimit:
         surge, and turned requests away for the ten seconds it took to grow back.
         """
         if math.isfinite(self._last_cut) and in_flight > self.value:
-            return
-        if now - self._last_cut >= self._cooldown:
-            factor = min(self._decrease, max(_DEEPEST_CUT, 1.0 / over if over > 0 else 1.0))
-            self.value = max(self.minimum, min(self.value, in_flight) * factor)
-            self._last_cut = now
+            return False
+        if now - self._last_cut < self._cooldown:
+            return False
+        before = self.value
+        factor = min(self._decrease, max(_DEEPEST_CUT, 1.0 / over if over > 0 else 1.0))
+        self.value = max(self.minimum, min(self.value, in_flight) * factor)
+        self._last_cut = now
+        return self.value < before
 
-    def hold(self, running: float, now: float) -> None:
-        """The worker runs ``running`` and holds the rest back: that is its limit now."""
-        if running < self.value:
-            self.value = max(self.minimum, running)
-            self._last_cut = now
+    def hold(self, running: float, now: float) -> bool:
+        """The worker runs ``running`` and holds the rest back: that is its limit now.
+
+        Returns whether the limit fell.
+        """
+        if running >= self.value:
+            return False
+        before = self.value
+        self.value = max(self.minimum, running)
+        self._last_cut = now
+        return self.value < before
 
     def on_result(
         self,
@@ -105,7 +116,7 @@ class ConcurrencyLimit:
         in_flight: float,
         now: float,
         load: float | None = None,
-    ) -> None:
+    ) -> bool:
         """Learn from one finished request's ``latency``; ``in_flight`` includes it.
 
         At most ``aim``: room to grow (by one if it ran at the limit; to ``load`` x aim /
@@ -114,12 +125,12 @@ class ConcurrencyLimit:
         In between: no change. Cutting only on real misses, rather than on every request over
         the aim, lets the limit settle where the latency spread straddles the aim instead of
         well below it (which on a compute-bound worker gave up throughput for no SLO gain).
+        Returns whether the limit fell (only a miss lowers it).
         """
         if latency > target:
-            self.cut(in_flight, now, latency / target)
-            return
+            return self.cut(in_flight, now, latency / target)
         if latency > aim:
-            return
+            return False
         # Only a request that ran at the limit says the limit is safe: one that finishes now
         # decoded under the load of its lifetime, which in a surge was well below today's.
         ran_at = in_flight if load is None else load
@@ -127,6 +138,7 @@ class ConcurrencyLimit:
             self.value = min(self.maximum, self.value + 1.0)
         if load is not None and latency > 0 and now - self._last_cut >= self._settle:
             self.value = max(self.value, min(self.maximum, load * aim / latency))
+        return False
 
 
 class DecodePace:

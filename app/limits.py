@@ -6,11 +6,8 @@ against the tiers' targets, and reads the workers' own saturation signals.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
-from app.limiter import ConcurrencyLimit
 from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.outcome import LimitCut
@@ -111,8 +108,8 @@ class Limits:
         if tpot_s is not None and self.tpot_target is not None:
             target = self.tpot_target
             running = worker.in_flight + 1 + self._others(worker, now)
-            with self._cuts(worker, worker.limit, LimitCut.TPOT_MISS):
-                worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load)
+            if worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load):
+                self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
             # Until the batch first outgrows the target, the limit stands where it started: the
             # decode line learnt from streams at a range of loads says where that will be, so
             # the first surge is not let in whole. Only a stream within the aim asks the line:
@@ -120,23 +117,17 @@ class Limits:
             # flat at the aim crosses it right where the first streams ran, far below the load
             # the worker keeps within the target.
             bound = self._decode_fit(worker) if tpot_s <= headroom * target else math.inf
-            if bound < worker.limit.value:
-                with self._cuts(worker, worker.limit, LimitCut.DECODE_LINE):
-                    worker.limit.hold(bound, now)
+            if worker.limit.hold(bound, now):
+                self._metrics.limit_cut(worker.label, LimitCut.DECODE_LINE)
         target = self._ttft_target / 2
-        if worker_ttft_s is not None and not self._own_delay(worker_ttft_s - target):
-            with self._cuts(worker, worker.prefill_limit, LimitCut.TTFT_MISS):
-                worker.prefill_limit.on_result(
-                    worker_ttft_s, headroom * target, target, prefill_peers, now
-                )
-
-    @contextlib.contextmanager
-    def _cuts(self, worker: Worker, limit: ConcurrencyLimit, cause: LimitCut) -> Iterator[None]:
-        """Count a lowering of ``limit`` within the block as ``cause``."""
-        before = limit.value
-        yield
-        if limit.value < before:
-            self._metrics.limit_cut(worker.label, cause)
+        if (
+            worker_ttft_s is not None
+            and not self._own_delay(worker_ttft_s - target)
+            and worker.prefill_limit.on_result(
+                worker_ttft_s, headroom * target, target, prefill_peers, now
+            )
+        ):
+            self._metrics.limit_cut(worker.label, LimitCut.TTFT_MISS)
 
     def _own_delay(self, excess_s: float) -> bool:
         """Whether the gateway's own lateness may account for a first token ``excess_s`` late.
@@ -160,8 +151,8 @@ class Limits:
         target = self.tpot_target
         if target is not None and pace_s > target:
             running = worker.in_flight + self._others(worker, now)
-            with self._cuts(worker, worker.limit, LimitCut.DECODE_PACE):
-                worker.limit.cut(running, now, pace_s / target)
+            if worker.limit.cut(running, now, pace_s / target):
+                self._metrics.limit_cut(worker.label, LimitCut.DECODE_PACE)
 
     def occupied(self, worker: Worker, now: float) -> float:
         """What counts against ``worker``'s running limit: ours in flight plus others'."""

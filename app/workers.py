@@ -412,12 +412,10 @@ class WorkerPool:
         worker.load = sample
         worker.own_at_scrape = min(own, worker.in_flight)
         held = sample.capacity_waiting
-        if held is not None and held >= self.settings.saturation_waiting:
-            # The worker runs all it can and queues the rest: its limit is what it runs.
-            before = worker.limit.value
-            worker.limit.hold(sample.running, sample.at)
-            if worker.limit.value < before:
-                self._metrics.limit_cut(worker.label, LimitCut.WORKER_QUEUEING)
+        # A worker that runs all it can and queues the rest: its limit is what it runs.
+        saturated = held is not None and held >= self.settings.saturation_waiting
+        if saturated and worker.limit.hold(sample.running, sample.at):
+            self._metrics.limit_cut(worker.label, LimitCut.WORKER_QUEUEING)
         self._metrics.record_load(worker.label, sample)
 
     def _set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:

@@ -153,9 +153,10 @@ def parse_sample(text: str) -> dict[str, float]:
             if sample.name not in _SAMPLED:
                 continue
             labels = sample.labels
-            key = f"{sample.name}{{{labels.get('worker') or labels.get('tier', '')}}}"
+            owner = labels.get("worker") or labels.get("tier", "")
             if "cause" in labels:
-                key = f"{sample.name}{{{labels['worker']},{labels['cause']}}}"
+                owner = f"{owner},{labels['cause']}"
+            key = f"{sample.name}{{{owner}}}"
             values[key] = values.get(key, 0.0) + sample.value
     return values
 
