@@ -96,6 +96,14 @@ class ConcurrencyLimit:
         self._last_cut = now
         return self.value < before
 
+    def lift(self, to: float, now: float) -> None:
+        """Raise the limit to ``to`` (within the maximum), unless cut in the last ``settle_s``.
+
+        A cut's evidence stands a while before a projection overrides it.
+        """
+        if to > self.value and now - self._last_cut >= self._settle:
+            self.value = min(self.maximum, to)
+
     def hold(self, running: float, now: float) -> bool:
         """The worker runs ``running`` and holds the rest back: that is its limit now.
 

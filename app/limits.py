@@ -74,8 +74,9 @@ class Limits:
         Only once streams finished across a range of loads (their spread at least
         ``_MIN_LOAD_SPREAD``) and TPOT was seen to grow with load: sequential or light traffic
         says nothing of the slope, and a worker whose pace does not depend on its batch has no
-        such bound. It is evidence like a miss, so it only lowers the limit (:meth:`learn`);
-        holding the load under it narrows the loads seen, so it is not a standing cap.
+        such bound. It lowers a limit above it as a miss does, and lifts one a cut left below
+        it once the cut has settled (:meth:`learn`); holding the load under it narrows the
+        loads seen, so it is not a standing cap.
         """
         aim = self.tpot_aim
         line = worker.latency.decode
@@ -119,6 +120,11 @@ class Limits:
             bound = self._decode_fit(worker) if tpot_s <= headroom * target else math.inf
             if worker.limit.hold(bound, now):
                 self._metrics.limit_cut(worker.label, LimitCut.DECODE_LINE)
+            elif math.isfinite(bound):
+                # Below the line's load, once a cut has settled: the line learnt across loads
+                # says how many keep the aim, where additive growth alone needs a request's
+                # life a step and light traffic (never at the limit) takes no step at all.
+                worker.limit.lift(bound, now)
         target = self._ttft_target / 2
         if (
             worker_ttft_s is not None

@@ -318,6 +318,25 @@ def test_a_pace_flat_just_over_the_aim_is_not_bounded_by_the_prior() -> None:
     assert limits.cap(worker) == 256
 
 
+def test_a_limit_below_the_learnt_decode_line_rises_to_it_once_its_cut_settled() -> None:
+    clock = FakeClock()
+    admission, pool, _, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    # The decode line, learnt over loads 5-40: 20 ms + 2 ms per running stream, 30 at the aim.
+    for load in range(5, 41, 5):
+        worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
+    # A surge's miss cut the limit to 6; then light traffic, 2 running, 25 ms per token.
+    worker.limit = ConcurrencyLimit(initial=256, maximum=256, settle_s=5.0)
+    worker.limit.cut(6.7, clock.now)
+    assert limits.cap(worker) == 6
+    limits.learn(worker, 0.02, 0.025, 1, clock.now + 1, 2.0)
+    assert limits.cap(worker) == 6  # the cut stands a while
+    # Once it settled, the line says how many keep the aim: light traffic never runs at the
+    # limit, and 2 x 80 / 25 ms projects only 6.
+    limits.learn(worker, 0.02, 0.025, 1, clock.now + 5, 2.0)
+    assert limits.cap(worker) == pytest.approx(30, abs=2)
+
+
 def test_a_first_token_the_gateway_itself_read_late_does_not_cut_the_prefill_limit() -> None:
     clock = FakeClock()
     _, pool, metrics, settings = _controller(clock)
