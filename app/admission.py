@@ -97,6 +97,7 @@ class AdmissionController:
         self._poked = False
         self._ticker: asyncio.Task[None] | None = None
         self._priorities = {t.name: t.priority for t in settings.tiers}
+        self._top = min(self._priorities.values())
         self.demand = TierDemand(clock, limits.tpot_aim)
         self.drain = DrainRate()
 
@@ -117,11 +118,12 @@ class AdmissionController:
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
-        The worker says it is full, or it runs or prefills at a limit. While lower tiers'
-        requests run on it, a tier may go past the running limit by as many, up to
-        :meth:`app.limits.Limits.stretched_cap`: a running request cannot be preempted, so
-        without that a slot handed to a lower tier while the pool had room would turn away a
-        higher tier's request that pass-through would have served in time. When ``reserving``
+        The worker says it is full, or it runs at its limit, or (below the top tier) it
+        prefills at its limit. While lower tiers' requests run on it, a tier may go past the
+        running limit by as many, up to :meth:`app.limits.Limits.stretched_cap`: a running
+        request cannot be preempted, so without that a slot handed to a lower tier while the
+        pool had room would turn away a higher tier's request that pass-through would have
+        served in time. When ``reserving``
         (the pool is expected to saturate), the limits are lower below a tier that has had
         requests in the last seconds: the running slots that tier is expected to need
         (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for
@@ -149,7 +151,11 @@ class AdmissionController:
             if kept:
                 cap -= min(cap - 1, kept)
                 prefill_cap -= min(prefill_cap - 1, 1)
-        return limits.occupied(worker, now) >= cap or worker.prefilling >= prefill_cap
+        if limits.occupied(worker, now) >= cap:
+            return True
+        # The top tier is not held back for prefill room: nobody may go ahead of it, and among
+        # its own requests the gateway's queue is first come, first served, as vLLM's is.
+        return (tier is None or tier.priority != self._top) and worker.prefilling >= prefill_cap
 
     def _try(self, ticket: Ticket, now: float) -> Choice | None:
         """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).

@@ -145,14 +145,17 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     admission.limits.learn(worker, 0.6, None, 4, clock.now)
     assert admission.limits.prefill_cap(worker) == 3
     assert admission.limits.cap(worker) == 10
-    # A worker at its prefill limit takes no more requests, though it has running slots.
+    # A worker at its prefill limit takes no more requests, though it has running slots;
+    # but the top tier's are not held back for it.
+    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     worker.in_flight, worker.prefilling = 3, 3
     assert admission._full(worker)
+    assert admission._full(worker, _tier(settings, "standard"))
+    assert not admission._full(worker, interactive)
     worker.prefilling = 2
     assert not admission._full(worker)
     # Below the top tier, one prefill slot stays free for it, once it is at risk: it had a
     # request turned away in the last 10 s.
-    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     assert not admission._full(worker, batch)
     admission.demand.short(interactive.priority, clock.now)
     assert not admission._full(worker, interactive)
