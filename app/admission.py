@@ -123,11 +123,11 @@ class AdmissionController:
         running limit by as many, up to :meth:`app.limits.Limits.stretched_cap`: a running
         request cannot be preempted, so without that a slot handed to a lower tier while the
         pool had room would turn away a higher tier's request that pass-through would have
-        served in time. When ``reserving``
-        (the pool is expected to saturate), the limits are lower below a tier that has had
-        requests in the last seconds: the running slots that tier is expected to need
-        (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for
-        it, leaving a lower tier at least the last slot of an otherwise empty worker.
+        served in time. When ``reserving`` (the pool is expected to saturate), the limits are
+        lower below a tier that has had requests in the last seconds: the running slots that
+        tier is expected to need (:meth:`app.demand.TierDemand.kept_for_higher`) and one
+        prefill slot are kept free for it, leaving a lower tier at least the last slot of an
+        otherwise empty worker.
         ``pool_slots`` is what all the workers may run (a tier expected to fill them is at
         risk before it misses).
         """

@@ -144,8 +144,8 @@ class ConcurrencyLimit:
         ran_at = in_flight if load is None else load
         if ran_at >= self.limit - 1:
             self.value = min(self.maximum, self.value + 1.0)
-        if load is not None and latency > 0 and now - self._last_cut >= self._settle:
-            self.value = max(self.value, min(self.maximum, load * aim / latency))
+        if load is not None and latency > 0:
+            self.lift(load * aim / latency, now)
         return False
 
 
