@@ -201,7 +201,7 @@ def make_client(
     No read timeout: the relay enforces first-token and idle timeouts itself, because the
     first token can legitimately take far longer than the gap between two tokens.
     """
-    return httpx.AsyncClient(
+    return _WorkerClient(
         transport=transport or worker_transport(),
         timeout=httpx.Timeout(
             connect=settings.connect_timeout_s,
@@ -212,6 +212,34 @@ def make_client(
         follow_redirects=False,
         trust_env=False,
     )
+
+
+class _NoCookies(httpx.Cookies):
+    """A cookie jar that keeps nothing."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        """Keep none of ``response``'s cookies."""
+
+
+class _WorkerClient(httpx.AsyncClient):
+    """httpx's client without a cookie jar.
+
+    One client serves every client's requests: a cookie a worker set would be sent on with
+    everyone's next requests. And httpx reads every response's headers for cookies through
+    ``urllib``'s request and cookie jar objects, a cost on every request for nothing.
+    """
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        """Always empty."""
+        return _NO_COOKIES
+
+    @cookies.setter
+    def cookies(self, cookies: object) -> None:
+        pass
+
+
+_NO_COOKIES = _NoCookies()
 
 
 @contextlib.asynccontextmanager
@@ -261,8 +289,10 @@ async def _send(
         content = _chunks_of(body)
     else:
         content = body
-    request = client.build_request(
-        "POST", _url(worker.spec.base_url, path), content=content, headers=headers
+    # Not client.build_request: its default headers (httpx's user agent, gzip) are not wanted,
+    # and merging them in cost more than the rest of building the request.
+    request = httpx.Request(
+        "POST", _url(worker.spec.base_url, path), headers=headers, content=content
     )
     try:
         response = await client.send(request, stream=True)

@@ -92,6 +92,30 @@ async def test_stream_relays_every_event_and_hides_usage_unless_asked(
     )
 
 
+async def test_a_cookie_a_worker_sets_is_never_sent_with_later_requests() -> None:
+    seen: list[httpx.Headers] = []
+
+    async def sets_cookie(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        seen.append(request.headers)
+        response = await _ok(request, body)
+        response.headers["set-cookie"] = "session=one-clients-secret; Path=/"
+        return response
+
+    worker = FakeWorker(sets_cookie)
+    async with (
+        running_gateway(settings_for(WORKER), worker.transport) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        for _ in range(2):
+            r = await client.post("/v1/chat/completions", json=_chat(stream=False))
+            assert r.status_code == 200
+    assert len(seen) == 2
+    assert "cookie" not in seen[1]
+    # What the worker is sent: the gateway's own headers, not httpx's defaults.
+    assert "user-agent" not in seen[1]
+    assert seen[1]["accept-encoding"] == "identity"
+
+
 async def test_unknown_fields_pass_through_and_non_stream_works(
     ok_gateway: tuple[str, FakeWorker],
 ) -> None:
