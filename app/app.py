@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.admission import AdmissionController
 from app.auth import Authenticator
@@ -33,7 +34,7 @@ from app.shared import SharedState
 from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
-from app.trace import TraceMiddleware
+from app.trace import RELAYED_PATHS, TraceMiddleware
 from app.upstream import UpstreamSlots, connection_budget, make_client
 from app.workers import WorkerPool
 
@@ -136,7 +137,7 @@ def create_app(
             await pool.stop()
             await client.aclose()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="Goodput Gateway",
         version="0.1.0",
         lifespan=lifespan,
@@ -155,12 +156,42 @@ def create_app(
             expose_headers=CORS_EXPOSED_HEADERS,
             max_age=600,
         )
-    # Relayed requests skip the router and its per-send wrappers, unless CORS (inside the
-    # trace) must see them.
-    app.add_middleware(TraceMiddleware, relayed=None if settings.cors_origins else relay_direct)
+    app.add_middleware(TraceMiddleware)
+    if not settings.cors_origins:  # CORS must see every request, relayed ones too
+        app.relay_directly(relay_direct)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with the requests it relays by model sent straight to their handler.
+
+    A POST to a relayed path (:data:`app.protocol.ENDPOINT_PATHS`) goes to the trace and from
+    it to the relay: not through FastAPI's and Starlette's middleware stack (telemetry, body
+    limit, error middleware), the route table or FastAPI's request handler, which add work to
+    every request and wrappers to every streamed event's ``send``. Every other request takes
+    the whole stack, with the same trace inside it.
+    """
+
+    _direct: ASGIApp | None = None
+
+    def relay_directly(self, handler: ASGIApp) -> None:
+        """Serve relayed POSTs with ``handler``, behind the trace alone."""
+        self._direct = TraceMiddleware(handler)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI connection scope."""
+        direct = self._direct
+        if (
+            direct is not None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in RELAYED_PATHS
+        ):
+            await direct(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 async def _every(interval_s: float, *jobs: Callable[[], None]) -> None:

@@ -57,9 +57,9 @@ for _path, _endpoint in ENDPOINT_PATHS.items():
 async def relay_direct(scope: Scope, receive: Receive, send: Send) -> None:
     """Serve a POST to a relayed path (:data:`app.protocol.ENDPOINT_PATHS`) as the route would.
 
-    :class:`app.trace.TraceMiddleware` calls it in place of the application for those paths:
-    the same handler, without the walk of the route table, FastAPI's request handler and
-    three wrappers of ``send`` that every streamed event passed through.
+    :class:`app.app.GatewayApp` calls it, behind the trace alone, in place of the application
+    for those paths: the same handler, without FastAPI's middleware stack, the walk of the route
+    table, FastAPI's request handler and the wrappers of ``send`` every streamed event passed.
     """
     request = Request(scope, receive)
     response = await _relay(request, get_state(request), ENDPOINT_PATHS[scope["path"]])
@@ -121,7 +121,7 @@ async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> R
 
 
 async def _parse(request: Request, state: GatewayState, endpoint: Endpoint) -> ParsedRequest:
-    settings, path = state.settings, request.url.path
+    settings, path = state.settings, request.scope["path"]
     if endpoint.form:
         wanted = frozenset(endpoint_fields(endpoint).model_fields)
         upload, fields = await read_form(

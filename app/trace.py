@@ -117,10 +117,8 @@ def error_message(error: GatewayError, request_id: str, close: bool = False) -> 
 class TraceMiddleware:
     """Gives every request its id and makes sure every response is counted and logged once."""
 
-    def __init__(self, app: ASGIApp, relayed: ASGIApp | None = None) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._relayed_app = relayed or app
-        """What serves a POST to a relayed path: the application, or a direct handler."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one request (other scope types pass through)."""
@@ -145,7 +143,7 @@ class TraceMiddleware:
         """The Recorder records these; only an error before it took over is answered here."""
         start = None if state is None else state.clock()
         try:
-            await self._relayed_app(scope, receive, send)
+            await self.app(scope, receive, send)
         except Exception:
             if trace.recorded:
                 raise
