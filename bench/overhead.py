@@ -449,7 +449,16 @@ class Stack:
         return int(total)
 
     def stop(self) -> None:
-        """Stop every subprocess, newest first (the gateway before its workers)."""
+        """Stop every subprocess, newest first (the gateway before its workers).
+
+        Each gateway's metrics are kept first, in ``<logdir>/<name>-metrics.txt``: its
+        admission decisions and limits tell why it refused or queued what it did.
+        """
+        for name, port in self.gateway_ports.items():
+            if dict(self._procs).get(name) is not None:
+                with contextlib.suppress(OSError):
+                    text = http_text(f"http://{HOST}:{port}/metrics")
+                    (self.logdir / f"{name}-metrics.txt").write_text(text)
         for name, proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.terminate()
