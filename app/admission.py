@@ -7,9 +7,9 @@ once. It acts only when a worker has no room:
   full (its ``/metrics``, scraped every half second; what this gateway sent or finished since
   the scrape is counted from its own books);
 * or a limit learnt from latencies is reached (:mod:`app.limiter`): the running limit keeps
-  the strictest TPOT target, the prefill limit keeps the worker's own time to first token
-  within half the strictest TTFT target. Both start at the hard cap and come down only on
-  evidence;
+  the strictest TPOT target of the tiers in play, the prefill limit keeps the worker's own
+  time to first token within half their strictest TTFT target. Both start at the hard cap
+  and come down only on evidence;
 * or the slots the tiers above are expected to need are all that is left (:mod:`app.demand`).
 
 When no worker has room, the request waits in one priority queue (higher tier first, earliest
@@ -227,6 +227,7 @@ class AdmissionController:
                 return self.lease(choice, ticket), 0.0
             now = self._clock()
             self.demand.arrived(ticket.tier.priority, now)
+            self.limits.arrived(ticket.tier, now)
             fastest = self._min_service(ticket)
             if fastest > ticket.tier.ttft_slo_s:
                 # Even an idle worker would miss the target: no wait helps, a lower tier would.

@@ -11,12 +11,12 @@ window (additive increase, multiplicative decrease):
   less one) raises the limit by one: in a surge, requests finishing had run under the lighter
   load of seconds before, and raising the limit on their word let the batch outgrow the TPOT
   target;
-* a request that missed the target (TPOT over the strictest TPOT target, or the worker's own
-  time to first token over its share of the strictest TTFT target) cuts it by ``decrease``, or
-  by target / latency when that is lower (down to a half: far over the target, a 10% cut a
-  second took many seconds to come down), at most once per ``cooldown_s`` since one overload
-  is seen by every request that lived through it, and from the count in flight when that is
-  lower (:meth:`ConcurrencyLimit.cut`);
+* a request that missed the target (TPOT over the TPOT target, or the worker's own time to
+  first token over its share of the TTFT target: see :mod:`app.limits`) cuts it by
+  ``decrease``, or by target / latency when that is lower (down to a half: far over the
+  target, a 10% cut a second took many seconds to come down), at most once per
+  ``cooldown_s`` since one overload is seen by every request that lived through it, and from
+  the count in flight when that is lower (:meth:`ConcurrencyLimit.cut`);
 * a worker that holds requests back for capacity sets the limit to what it runs
   (:meth:`ConcurrencyLimit.hold`);
 * so does the worker's live pace (:class:`DecodePace`) when its running streams, together,

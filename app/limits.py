@@ -11,7 +11,7 @@ import math
 from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.outcome import LimitCut
-from app.settings import Settings
+from app.settings import Settings, TierSpec
 from app.workers import Worker, WorkerPool
 
 # The least spread of the loads finished streams ran at before the learnt decode line bounds
@@ -20,17 +20,20 @@ _MIN_LOAD_SPREAD = 4.0
 # The waits on the event loop between a request's dispatch and its first event's arrival
 # (connect, send, response head, first chunk): a loop running late delays each of them.
 _LOOP_WAITS = 4
+# A tier's targets are kept while it had a request in the last this long (see Limits.targets).
+_TIER_ACTIVE_S = 60.0
 
 
 class Limits:
     """Admission's two limits on every worker, steered by the latencies its requests get.
 
-    The running limit follows TPOT against the strictest TPOT target. The prefill limit follows
-    the worker's own part of TTFT (dispatch to first token) against half the strictest TTFT
-    target, the other half being left for the wait in the queue: requests dispatched into vLLM
-    wait there first come, first served, so under load the gateway keeps the worker's prefill
-    queue short and the backlog in its own queue, where tiers apply. Each grows while latencies
-    are within the target times the headroom (the aim) and is cut when one is over the target.
+    The running limit follows TPOT against the strictest TPOT target of the tiers in play
+    (:meth:`targets`). The prefill limit follows the worker's own part of TTFT (dispatch to
+    first token) against half their strictest TTFT target, the other half being left for the
+    wait in the queue: requests dispatched into vLLM wait there first come, first served, so
+    under load the gateway keeps the worker's prefill queue short and the backlog in its own
+    queue, where tiers apply. Each grows while latencies are within the target times the
+    headroom (the aim) and is cut when one is over the target.
     """
 
     def __init__(
@@ -39,12 +42,41 @@ class Limits:
         self._settings = settings
         self._metrics = metrics
         self._lag = lag
-        self.tpot_target = settings.strictest_tpot_s
-        """The strictest TPOT target; the running limit keeps it."""
-        self.tpot_aim = (
-            None if self.tpot_target is None else settings.ttft_headroom * self.tpot_target
-        )
-        self._ttft_target = min(t.ttft_slo_s for t in settings.tiers)
+        strictest = settings.strictest_tpot_s
+        self.tpot_aim = None if strictest is None else settings.ttft_headroom * strictest
+        """The strictest tier's TPOT aim, whether it is in play or not."""
+        self._last_arrival: dict[str, float] = {}
+        self._targets: tuple[float, float | None, float] = (math.nan, None, 0.0)
+
+    def arrived(self, tier: TierSpec, now: float) -> None:
+        """A request of ``tier`` arrived: its targets are in play (:meth:`targets`)."""
+        if self._last_arrival.get(tier.name) != now:
+            self._last_arrival[tier.name] = now
+            self._targets = (math.nan, None, 0.0)
+
+    def targets(self, now: float) -> tuple[float | None, float]:
+        """The TPOT target (None: no tier has one) and the TTFT target the limits keep now.
+
+        The strictest of the tiers that had a request in the last ``_TIER_ACTIVE_S`` seconds,
+        or of every tier before any request came. A tier with no requests has nothing to
+        miss: keeping its targets held every other tier to them (seen: with no API keys every
+        request is standard, 200 ms a token, and the limits kept interactive's 100 ms, cutting
+        workers that streamed 256 at 80 ms a token to as few as 61). A tier
+        that comes back after a pause finds the limits set for the others, and its first
+        misses cut them, as any miss does.
+        """
+        at, tpot, ttft = self._targets
+        if at == now:
+            return tpot, ttft
+        tiers = self._settings.tiers
+        since = now - _TIER_ACTIVE_S
+        active = [t for t in tiers if self._last_arrival.get(t.name, -math.inf) > since]
+        playing = active or tiers
+        tpots = [t.tpot_slo_s for t in playing if t.tpot_slo_s is not None]
+        tpot = min(tpots) if tpots else None
+        ttft = min(t.ttft_slo_s for t in playing)
+        self._targets = (now, tpot, ttft)
+        return tpot, ttft
 
     def cap(self, worker: Worker) -> int:
         """The most requests ``worker`` may run now (this gateway's and others' together).
@@ -68,7 +100,7 @@ class Limits:
         most = min(self._settings.max_running_per_worker, math.floor(limit + 1e-9))
         return most if fit >= most else max(1, math.floor(fit))
 
-    def _decode_fit(self, worker: Worker) -> float:
+    def _decode_fit(self, worker: Worker, aim: float) -> float:
         """How many running requests keep TPOT at the aim, by the worker's learnt decode line.
 
         Only once streams finished across a range of loads (their spread at least
@@ -78,9 +110,8 @@ class Limits:
         it once the cut has settled (:meth:`learn`); holding the load under it narrows the
         loads seen, so it is not a standing cap.
         """
-        aim = self.tpot_aim
         line = worker.latency.decode
-        if aim is None or line.spread < _MIN_LOAD_SPREAD or line.slope <= 0:
+        if line.spread < _MIN_LOAD_SPREAD or line.slope <= 0:
             return math.inf
         return max(1.0, (aim - line.intercept) / line.slope)
 
@@ -106,8 +137,9 @@ class Limits:
         so: prompts differ in length, so one short prefill says little.
         """
         headroom = self._settings.ttft_headroom
-        if tpot_s is not None and self.tpot_target is not None:
-            target = self.tpot_target
+        tpot_target, ttft_target = self.targets(now)
+        if tpot_s is not None and tpot_target is not None:
+            target = tpot_target
             running = worker.in_flight + 1 + self._others(worker, now)
             if worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load):
                 self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
@@ -117,7 +149,8 @@ class Limits:
             # one over it measured the crossing itself, and a line through the prior and a pace
             # flat at the aim crosses it right where the first streams ran, far below the load
             # the worker keeps within the target.
-            bound = self._decode_fit(worker) if tpot_s <= headroom * target else math.inf
+            aim = headroom * target
+            bound = self._decode_fit(worker, aim) if tpot_s <= aim else math.inf
             if worker.limit.hold(bound, now):
                 self._metrics.limit_cut(worker.label, LimitCut.DECODE_LINE)
             elif math.isfinite(bound):
@@ -125,7 +158,7 @@ class Limits:
                 # says how many keep the aim, where additive growth alone needs a request's
                 # life a step and light traffic (never at the limit) takes no step at all.
                 worker.limit.lift(bound, now)
-        target = self._ttft_target / 2
+        target = ttft_target / 2
         if (
             worker_ttft_s is not None
             and not self._own_delay(worker_ttft_s - target)
@@ -149,12 +182,12 @@ class Limits:
     def paced(self, worker: Worker, pace_s: float, now: float) -> None:
         """``worker``'s streams advanced ``pace_s`` per token over the last few seconds.
 
-        Slower than the strictest TPOT target: the batch has outgrown it now, so the running
-        limit is cut at once (from what runs there) instead of when the streams that live
-        through it end, seconds later (:class:`app.limiter.DecodePace`).
+        Slower than the TPOT target (:meth:`targets`): the batch has outgrown it now, so the
+        running limit is cut at once (from what runs there) instead of when the streams that
+        live through it end, seconds later (:class:`app.limiter.DecodePace`).
         """
         self._metrics.worker_decode_pace.labels(worker.label).set(pace_s)
-        target = self.tpot_target
+        target, _ = self.targets(now)
         if target is not None and pace_s > target:
             running = worker.in_flight + self._others(worker, now)
             if worker.limit.cut(running, now, pace_s / target):

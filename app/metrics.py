@@ -362,13 +362,14 @@ class GatewayMetrics:
         )  # fmt: skip
         self.worker_concurrency_limit = Gauge(
             "gateway_worker_concurrency_limit",
-            "Most requests admission lets run on the worker (keeps the strictest TPOT target).",
+            "Most requests admission lets run on the worker (keeps the TPOT target of the tiers "
+            "in play).",
             by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_decode_pace = Gauge(
             "gateway_worker_decode_pace_seconds",
             "Mean gap per token between output events of the worker's running streams, over "
-            "the last few seconds (cuts the concurrency limit when over the strictest TPOT).",
+            "the last few seconds (cuts the concurrency limit when over the TPOT target).",
             by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
         self.worker_limit_cuts = Counter(

@@ -68,7 +68,7 @@ class LimitCut(StrEnum):
     """Why a worker's admission limit fell (``gateway_worker_limit_cuts_total{cause}``)."""
 
     TPOT_MISS = "tpot_miss"
-    """A finished stream's TPOT was over the strictest TPOT target (running limit)."""
+    """A finished stream's TPOT was over the TPOT target the limits keep (running limit)."""
     DECODE_PACE = "decode_pace"
     """The worker's running streams together advanced slower than that target (running limit)."""
     DECODE_LINE = "decode_line"

@@ -318,6 +318,36 @@ def test_a_pace_flat_just_over_the_aim_is_not_bounded_by_the_prior() -> None:
     assert limits.cap(worker) == 256
 
 
+def test_the_limits_keep_the_targets_of_the_tiers_that_have_requests() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    standard, interactive = _tier(settings, "standard"), _tier(settings, "interactive")
+    worker.add_in_flight(20, clock.now)
+    # Before any request, the strictest tier's: interactive's 100 ms and 1 s.
+    assert limits.targets(clock.now) == (0.1, 1.0)
+    # Only standard requests (the tier of every request when no keys are set): 200 ms and
+    # 5 s. Streams at 150 ms a token and a worker's first token in 2 s meet them.
+    limits.arrived(standard, clock.now)
+    assert limits.targets(clock.now) == (0.2, 5.0)
+    limits.learn(worker, 2.0, 0.15, 4, clock.now, 20.0)
+    limits.paced(worker, 0.15, clock.now)
+    assert sum(_cuts(metrics, c) for c in LimitCut) == 0
+    assert limits.cap(worker) == 256
+    # An interactive request comes: 150 ms a token misses its 100 ms target.
+    clock.now += 1
+    limits.arrived(interactive, clock.now)
+    limits.learn(worker, None, 0.15, 1, clock.now, 20.0)
+    assert _cuts(metrics, "tpot_miss") == 1
+    assert limits.cap(worker) < 20
+    # A minute without interactive requests: standard's targets again.
+    clock.now += 59
+    assert limits.targets(clock.now) == (0.1, 1.0)
+    clock.now += 1
+    limits.arrived(standard, clock.now)
+    assert limits.targets(clock.now) == (0.2, 5.0)
+
+
 def test_a_limit_below_the_learnt_decode_line_rises_to_it_once_its_cut_settled() -> None:
     clock = FakeClock()
     admission, pool, _, _ = _controller(clock)
