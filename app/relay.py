@@ -72,7 +72,7 @@ from app.sse import (
     with_fingerprint,
 )
 from app.timing import RequestTimer
-from app.upstream import UpstreamSlots, worker_response
+from app.upstream import UpstreamSlots, chunk_reader, worker_response
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -344,7 +344,8 @@ class Relay(Response):
                 Deadline(_earliest(deadline_at, total_at)) as deadline,
                 self._response(lease) as upstream,
             ):
-                async for data in upstream.aiter_raw():
+                read = chunk_reader(upstream)
+                while data := await read():
                     received = clock()
                     events = splitter.feed(data)
                     if not events:
