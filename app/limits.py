@@ -61,9 +61,9 @@ class Limits:
         or of every tier before any request came. A tier with no requests has nothing to
         miss: keeping its targets held every other tier to them (seen: with no API keys every
         request is standard, 200 ms a token, and the limits kept interactive's 100 ms, cutting
-        workers that streamed 256 at 80 ms a token to as few as 61). A tier
-        that comes back after a pause finds the limits set for the others, and its first
-        misses cut them, as any miss does.
+        workers that streamed 256 at 80 ms a token to as few as 61). A tier that comes back
+        after a pause finds the limits set for the others, and its first misses cut them, as
+        any miss does.
         """
         at, tpot, ttft = self._targets
         if at == now:
