@@ -144,8 +144,10 @@ class OneWriteWorker:
     As a worker's events reach a relay that fell behind: several in one socket read.
     """
 
-    def __init__(self, events: list[bytes]) -> None:
+    def __init__(self, events: list[bytes], dies: bool = False) -> None:
         self.events = events
+        self.dies = dies
+        """Drop the connection after the events, with no last chunk."""
         self.server: asyncio.Server | None = None
 
     async def __aenter__(self) -> str:
@@ -175,8 +177,12 @@ class OneWriteWorker:
                         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                         b"transfer-encoding: chunked\r\n\r\n"
                         + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in self.events)
-                        + b"0\r\n\r\n"
+                        + (b"" if self.dies else b"0\r\n\r\n")
                     )
+                    if self.dies:
+                        await writer.drain()
+                        writer.transport.abort()
+                        return
                 await writer.drain()
         writer.close()
 
@@ -219,3 +225,19 @@ async def test_events_that_arrive_together_leave_as_the_chunks_the_worker_wrote(
             chunks = await _http_chunks(url, case["request"].encode())
     assert len(events) > 3
     assert chunks == _events(case["direct"].encode())
+
+
+async def test_a_worker_that_drops_the_connection_mid_stream_gets_an_in_band_error() -> None:
+    """On a real socket, through the worker transport's own chunk reader."""
+    case = CASES["chat_length_usage"]
+    events = _as_direct(case)[:3]  # the role chunk and two tokens, then the connection drops
+    async with OneWriteWorker(events, dies=True) as worker_url:
+        async with running_gateway(settings_for(worker_url)) as url:
+            chunks = await _http_chunks(url, case["request"].encode())
+            async with httpx.AsyncClient(base_url=url) as client:
+                metrics = (await client.get("/metrics")).text
+    assert chunks[:3] == events
+    error = json.loads(chunks[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_invalid_response"
+    assert not any(b"[DONE]" in c for c in chunks)
+    assert 'outcome="upstream_error"' in metrics
