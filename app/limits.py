@@ -11,7 +11,7 @@ import math
 from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.outcome import LimitCut
-from app.settings import Settings, TierSpec
+from app.settings import Settings, TierSpec, strictest_tpot_s
 from app.workers import Worker, WorkerPool
 
 # The least spread of the loads finished streams ran at before the learnt decode line bounds
@@ -46,13 +46,10 @@ class Limits:
         self.tpot_aim = None if strictest is None else settings.ttft_headroom * strictest
         """The strictest tier's TPOT aim, whether it is in play or not."""
         self._last_arrival: dict[str, float] = {}
-        self._targets: tuple[float, float | None, float] = (math.nan, None, 0.0)
 
     def arrived(self, tier: TierSpec, now: float) -> None:
         """A request of ``tier`` arrived: its targets are in play (:meth:`targets`)."""
-        if self._last_arrival.get(tier.name) != now:
-            self._last_arrival[tier.name] = now
-            self._targets = (math.nan, None, 0.0)
+        self._last_arrival[tier.name] = now
 
     def targets(self, now: float) -> tuple[float | None, float]:
         """The TPOT target (None: no tier has one) and the TTFT target the limits keep now.
@@ -65,18 +62,11 @@ class Limits:
         after a pause finds the limits set for the others, and its first misses cut them, as
         any miss does.
         """
-        at, tpot, ttft = self._targets
-        if at == now:
-            return tpot, ttft
         tiers = self._settings.tiers
         since = now - _TIER_ACTIVE_S
         active = [t for t in tiers if self._last_arrival.get(t.name, -math.inf) > since]
         playing = active or tiers
-        tpots = [t.tpot_slo_s for t in playing if t.tpot_slo_s is not None]
-        tpot = min(tpots) if tpots else None
-        ttft = min(t.ttft_slo_s for t in playing)
-        self._targets = (now, tpot, ttft)
-        return tpot, ttft
+        return strictest_tpot_s(playing), min(t.ttft_slo_s for t in playing)
 
     def cap(self, worker: Worker) -> int:
         """The most requests ``worker`` may run now (this gateway's and others' together).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -135,6 +136,12 @@ class ApiKeySpec(BaseModel):
     tier: str = "standard"
     max_concurrency: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
+
+
+def strictest_tpot_s(tiers: Iterable[TierSpec]) -> float | None:
+    """The strictest TPOT target of ``tiers``, if any of them has one."""
+    targets = [t.tpot_slo_s for t in tiers if t.tpot_slo_s is not None]
+    return min(targets) if targets else None
 
 
 def _parse_workers(value: Any) -> Any:
@@ -432,9 +439,8 @@ class Settings(BaseSettings):
 
     @property
     def strictest_tpot_s(self) -> float | None:
-        """The strictest TPOT target of any tier (what the running limits keep), if any."""
-        targets = [t.tpot_slo_s for t in self.tiers if t.tpot_slo_s is not None]
-        return min(targets) if targets else None
+        """The strictest TPOT target of any tier, if any."""
+        return strictest_tpot_s(self.tiers)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
