@@ -141,6 +141,10 @@ class Limits:
             # the worker keeps within the target.
             aim = headroom * target
             bound = self._decode_fit(worker, aim) if tpot_s <= aim else math.inf
+            if decode_load is not None:
+                # The stream itself kept the aim at its load: a measurement outranks the
+                # line's projection (fitted across arrival rates, whose prefill stalls differ).
+                bound = max(bound, decode_load)
             if worker.limit.hold(bound, now):
                 self._metrics.limit_cut(worker.label, LimitCut.DECODE_LINE)
             elif math.isfinite(bound):
@@ -149,9 +153,12 @@ class Limits:
                 # life a step and light traffic (never at the limit) takes no step at all.
                 worker.limit.lift(bound, now)
         target = ttft_target / 2
+        # A miss that prefilled alone was a long prompt: fewer prefills at once would not have
+        # sped it, and cutting for it held lower tiers behind every prefill.
         if (
             worker_ttft_s is not None
             and not self._own_delay(worker_ttft_s - target)
+            and not (prefill_peers <= 1 and worker_ttft_s > target)
             and worker.prefill_limit.on_result(
                 worker_ttft_s, headroom * target, target, prefill_peers, now
             )

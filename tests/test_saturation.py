@@ -391,3 +391,37 @@ def test_a_first_token_the_gateway_itself_read_late_does_not_cut_the_prefill_lim
         probe.observe(0.0005)
     limits.learn(worker, 0.8, None, 16, clock.now)
     assert limits.prefill_cap(worker) < 16
+
+
+def test_the_decode_line_does_not_cut_below_a_load_a_stream_kept_the_aim_at() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    # The line, learnt at a higher arrival rate (more prefill stalls): 20 ms + 2 ms per
+    # running stream, 30 at the 80 ms aim.
+    for load in range(5, 41, 5):
+        worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
+    # Now streams ran at 36 at 70 ms a token: the worker keeps the aim there, whatever the
+    # line projects. The limit is not cut below the load they ran at.
+    limits.learn(worker, 0.2, 0.07, 1, clock.now, 36.0)
+    assert _cuts(metrics, "decode_line") == 1
+    assert limits.cap(worker) == 36
+    # A stream from the lighter load of seconds before still meets the line: down to 30.
+    limits.learn(worker, 0.2, 0.05, 1, clock.now, 12.0)
+    assert limits.cap(worker) == pytest.approx(30, abs=2)
+
+
+def test_a_long_prompt_prefilled_alone_does_not_cut_the_prefill_limit() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    worker.prefill_limit = ConcurrencyLimit(initial=16, maximum=256)
+    # The worker's share of the 1 s interactive TTFT target is 0.5 s. A prompt that alone
+    # took 0.8 s to its first token is long; fewer prefills at once would not have sped it.
+    limits.learn(worker, 0.8, None, 1, clock.now)
+    assert limits.prefill_cap(worker) == 16
+    assert _cuts(metrics, "ttft_miss") == 0
+    # Three prefilling together, one 0.8 s: the worker's prefill queue is too long.
+    limits.learn(worker, 0.8, None, 3, clock.now)
+    assert limits.prefill_cap(worker) < 16
+    assert _cuts(metrics, "ttft_miss") == 1
