@@ -49,6 +49,35 @@ def live_gateway_url(
         # Fewer slots than the load's concurrency, so some requests wait in the admission queue
         # (the queue panels need that).
         "GATEWAY_MAX_RUNNING_PER_WORKER": "2",
+        # The default tiers with targets a CPU worker of a loaded CI machine meets: with 2
+        # slots, an interactive request's default 1 s queue wait expired behind two slow
+        # streams (503 queue_timeout), and the load must go through whatever the machine.
+        "GATEWAY_TIERS": json.dumps(
+            [
+                {
+                    "name": "interactive",
+                    "priority": 0,
+                    "ttft_slo_s": 30,
+                    "tpot_slo_s": 1,
+                    "max_queue_wait_s": 30,
+                },
+                {
+                    "name": "standard",
+                    "priority": 1,
+                    "ttft_slo_s": 60,
+                    "tpot_slo_s": 2,
+                    "max_queue_wait_s": 60,
+                },
+                {
+                    "name": "batch",
+                    "priority": 2,
+                    "ttft_slo_s": 120,
+                    "sheddable": True,
+                    "max_queue_wait_s": 120,
+                    "objective": 0.95,
+                },
+            ]
+        ),
         # A key of the top tier, so the load can use every tier.
         "GATEWAY_API_KEYS": json.dumps(
             [{"sha256": LIVE_API_KEY_SHA256, "tier": "interactive", "name": "live-tests"}]
