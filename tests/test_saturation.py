@@ -22,7 +22,7 @@ from app.metrics import GatewayMetrics
 from app.outcome import LimitCut, Outcome, SloResult
 from app.settings import TierSpec
 from app.timing import TimingSummary
-from app.workers import WorkerPool
+from app.workers import Worker, WorkerPool
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
 from tests.test_admission import FakeClock, NoDns, _controller, _decisions, _ticket, _tier
@@ -264,6 +264,12 @@ def test_the_learnt_decode_line_lowers_an_untested_limit_but_light_traffic_does_
     assert limits.cap(worker) == pytest.approx(30, abs=2)
 
 
+def _learn_line(worker: Worker) -> None:
+    """Streams at loads 5-40 taught ``worker`` TPOT = 20 ms + 2 ms per running stream."""
+    for load in range(5, 41, 5):
+        worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
+
+
 def _cuts(metrics: GatewayMetrics, cause: str) -> float:
     return sum(
         sample.value
@@ -296,8 +302,7 @@ def test_every_lowering_of_a_limit_is_counted_under_its_cause() -> None:
     # A decode line learnt over loads 5-40 (20 ms + 2 ms a stream) under a limit above 30.
     admission, pool, metrics, _ = _controller(clock)
     limits, worker = admission.limits, pool.workers["a:1"]
-    for load in range(5, 41, 5):
-        worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
+    _learn_line(worker)
     limits.learn(worker, None, 0.03, 1, clock.now, 5.0)
     assert _cuts(metrics, "decode_line") == 1
     assert limits.cap(worker) == pytest.approx(30, abs=2)
@@ -353,8 +358,7 @@ def test_a_limit_below_the_learnt_decode_line_rises_to_it_once_its_cut_settled()
     admission, pool, _, _ = _controller(clock)
     limits, worker = admission.limits, pool.workers["a:1"]
     # The decode line, learnt over loads 5-40: 20 ms + 2 ms per running stream, 30 at the aim.
-    for load in range(5, 41, 5):
-        worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
+    _learn_line(worker)
     # A surge's miss cut the limit to 6; then light traffic, 2 running, 25 ms per token.
     worker.limit = ConcurrencyLimit(initial=256, maximum=256, settle_s=5.0)
     worker.limit.cut(6.7, clock.now)
@@ -399,8 +403,7 @@ def test_the_decode_line_does_not_cut_below_a_load_a_stream_kept_the_aim_at() ->
     limits, worker = admission.limits, pool.workers["a:1"]
     # The line, learnt at a higher arrival rate (more prefill stalls): 20 ms + 2 ms per
     # running stream, 30 at the 80 ms aim.
-    for load in range(5, 41, 5):
-        worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
+    _learn_line(worker)
     # Now streams ran at 36 at 70 ms a token: the worker keeps the aim there, whatever the
     # line projects. The limit is not cut below the load they ran at.
     limits.learn(worker, 0.2, 0.07, 1, clock.now, 36.0)
