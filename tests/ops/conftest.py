@@ -19,11 +19,24 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from app.settings import DEFAULT_TIERS, TierSpec
 from scripts.processes import stop_process
 from scripts.redis_server import RedisServer
 from scripts.vllm_worker import TINY_LLAMA_HARDWARE
 from tests.ops.support import LIVE_API_KEY_SHA256, REPO
 from tests.servers import free_port
+
+# The least TTFT target (and queue wait) and TPOT target of the live stack's tiers.
+_LIVE_TTFT_S = 30.0
+_LIVE_TPOT_S = 1.0
+
+
+def _slow_worker_targets(tier: TierSpec) -> dict[str, object]:
+    """``tier`` with its targets and queue wait raised to what a slow CPU worker meets."""
+    ttft = max(tier.ttft_slo_s, _LIVE_TTFT_S)
+    tpot = None if tier.tpot_slo_s is None else max(tier.tpot_slo_s, _LIVE_TPOT_S)
+    update = {"ttft_slo_s": ttft, "max_queue_wait_s": ttft, "tpot_slo_s": tpot}
+    return tier.model_copy(update=update).model_dump()
 
 
 @pytest.fixture(scope="session")
@@ -52,32 +65,7 @@ def live_gateway_url(
         # The default tiers with targets a CPU worker of a loaded CI machine meets: with 2
         # slots, an interactive request's default 1 s queue wait expired behind two slow
         # streams (503 queue_timeout), and the load must go through whatever the machine.
-        "GATEWAY_TIERS": json.dumps(
-            [
-                {
-                    "name": "interactive",
-                    "priority": 0,
-                    "ttft_slo_s": 30,
-                    "tpot_slo_s": 1,
-                    "max_queue_wait_s": 30,
-                },
-                {
-                    "name": "standard",
-                    "priority": 1,
-                    "ttft_slo_s": 60,
-                    "tpot_slo_s": 2,
-                    "max_queue_wait_s": 60,
-                },
-                {
-                    "name": "batch",
-                    "priority": 2,
-                    "ttft_slo_s": 120,
-                    "sheddable": True,
-                    "max_queue_wait_s": 120,
-                    "objective": 0.95,
-                },
-            ]
-        ),
+        "GATEWAY_TIERS": json.dumps([_slow_worker_targets(t) for t in DEFAULT_TIERS]),
         # A key of the top tier, so the load can use every tier.
         "GATEWAY_API_KEYS": json.dumps(
             [{"sha256": LIVE_API_KEY_SHA256, "tier": "interactive", "name": "live-tests"}]
