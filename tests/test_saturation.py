@@ -404,8 +404,8 @@ def test_the_decode_line_does_not_cut_below_a_load_a_stream_kept_the_aim_at() ->
     # The line, learnt at a higher arrival rate (more prefill stalls): 20 ms + 2 ms per
     # running stream, 30 at the 80 ms aim.
     _learn_line(worker)
-    # Now streams ran at 36 at 70 ms a token: the worker keeps the aim there, whatever the
-    # line projects. The limit is not cut below the load they ran at.
+    # Now a stream ran at 36 at 70 ms a token: the worker keeps the aim there, whatever the
+    # line projects. The limit is not cut below the load it ran at.
     limits.learn(worker, 0.2, 0.07, 1, clock.now, 36.0)
     assert _cuts(metrics, "decode_line") == 1
     assert limits.cap(worker) == 36
