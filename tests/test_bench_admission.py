@@ -1,8 +1,10 @@
-"""The admission benchmark's reading of the gateway's metrics."""
+"""The admission benchmark's reading of the gateway's metrics, and its verdicts."""
 
 from __future__ import annotations
 
-from bench.admission import limit_cuts, parse_sample
+from typing import Any
+
+from bench.admission import checks, limit_cuts, parse_sample
 
 _PAGE = """\
 # TYPE gateway_worker_limit_cuts_total counter
@@ -27,3 +29,26 @@ def test_limit_cuts_are_sampled_per_worker_and_cause_and_summed_over_a_run() -> 
     assert limit_cuts([first, {"t": 1.0}, last]) == {"ttft_miss": 3, "decode_line": 4}
     assert limit_cuts([first, first]) == {}
     assert limit_cuts([]) == {}
+
+
+def _run(name: str, load: float | None, on: float, off: float) -> dict[str, Any]:
+    def mode(goodput: float) -> dict[str, Any]:
+        everything = {"goodput_rps": goodput, "rejected": 0, "queue_ms_p99": 0.0, "lost": 0}
+        return {"all": everything, "interactive": {"attainment": 1.0}}
+
+    return {"name": name, "load": load, "results": {"on": mode(on), "off": mode(off)}}
+
+
+def test_replays_of_a_load_are_judged_together_and_3x_seeds_each_alone() -> None:
+    # Two replays at 0.75x: one run worse with admission, one better, 4.6 against 4.5 pooled.
+    runs = [
+        _run("0.75x", 0.75, 4.2, 4.4), _run("0.75x #2", 0.75, 4.4, 4.1),
+        _run("3x", 3.0, 8.0, 3.9), _run("3x seed 108", 3.0, 7.0, 3.9),
+    ]  # fmt: skip
+    lines = checks(runs)
+    assert "PASS goodput on >= off at or below 0.75x: every point" in lines
+    assert "PASS goodput on >= 0.98x off at every point: every point" in lines
+    assert "MISS goodput on / off at 3x >= 2x: 2.05x, 1.79x" in lines
+    # Both replays worse (8.2 against 8.5 req/s): the point is.
+    runs[1] = _run("0.75x #2", 0.75, 4.0, 4.1)
+    assert "MISS goodput on >= off at or below 0.75x: ['0.75x (2 runs) 0.96x']" in checks(runs)
