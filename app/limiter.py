@@ -46,7 +46,8 @@ class ConcurrencyLimit:
     """Additive-increase / multiplicative-decrease limit on one worker's running requests."""
 
     __slots__ = (
-        "_cooldown", "_decrease", "_last_cut", "_settle", "maximum", "minimum", "value",
+        "_cooldown", "_decrease", "_last_cut", "_settle", "maximum", "measured", "minimum",
+        "value",
     )  # fmt: skip
 
     def __init__(
@@ -65,6 +66,8 @@ class ConcurrencyLimit:
         self._cooldown = cooldown_s
         self._settle = settle_s
         self._last_cut = -math.inf
+        self.measured = False
+        """Whether a measurement lowered the limit: a miss, the live pace, the worker queueing."""
 
     @property
     def limit(self) -> int:
@@ -94,6 +97,7 @@ class ConcurrencyLimit:
         factor = min(self._decrease, max(_DEEPEST_CUT, 1.0 / over if over > 0 else 1.0))
         self.value = max(self.minimum, min(self.value, in_flight) * factor)
         self._last_cut = now
+        self.measured = True
         return self.value < before
 
     def lift(self, to: float, now: float) -> None:
@@ -104,16 +108,18 @@ class ConcurrencyLimit:
         if to > self.value and now - self._last_cut >= self._settle:
             self.value = min(self.maximum, to)
 
-    def hold(self, running: float, now: float) -> bool:
+    def hold(self, running: float, now: float, measured: bool = True) -> bool:
         """The worker runs ``running`` and holds the rest back: that is its limit now.
 
-        Returns whether the limit fell.
+        Returns whether the limit fell. ``measured`` False: ``running`` is a projection (the
+        learnt decode line's), which leaves :attr:`measured` as it was.
         """
         if running >= self.value:
             return False
         before = self.value
         self.value = max(self.minimum, running)
         self._last_cut = now
+        self.measured = self.measured or measured
         return self.value < before
 
     def on_result(

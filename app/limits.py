@@ -96,9 +96,9 @@ class Limits:
         Only once streams finished across a range of loads (their spread at least
         ``_MIN_LOAD_SPREAD``) and TPOT was seen to grow with load: sequential or light traffic
         says nothing of the slope, and a worker whose pace does not depend on its batch has no
-        such bound. It lowers a limit above it as a miss does, and lifts one a cut left below
-        it once the cut has settled (:meth:`learn`); holding the load under it narrows the
-        loads seen, so it is not a standing cap.
+        such bound. It lowers a limit above it that no measurement has set yet, and lifts one
+        a cut left below it once the cut has settled (:meth:`learn`); holding the load under
+        it narrows the loads seen, so it is not a standing cap.
         """
         line = worker.latency.decode
         if line.spread < _MIN_LOAD_SPREAD or line.slope <= 0:
@@ -145,7 +145,11 @@ class Limits:
                 # The stream itself kept the aim at its load: a measurement outranks the
                 # line's projection (fitted across arrival rates, whose prefill stalls differ).
                 bound = max(bound, decode_load)
-            if worker.limit.hold(bound, now):
+            # The line is a projection, not evidence: it lowers only a limit that no miss and
+            # no worker queueing has lowered yet (the first surge's). Once measured, a limit
+            # falls only on measurements; a projection under it queues what the worker serves
+            # in time.
+            if not worker.limit.measured and worker.limit.hold(bound, now, measured=False):
                 self._metrics.limit_cut(worker.label, LimitCut.DECODE_LINE)
             elif math.isfinite(bound):
                 # Below the line's load, once a cut has settled: the line learnt across loads

@@ -428,3 +428,34 @@ def test_a_long_prompt_prefilled_alone_does_not_cut_the_prefill_limit() -> None:
     limits.learn(worker, 0.8, None, 3, clock.now)
     assert limits.prefill_cap(worker) < 16
     assert _cuts(metrics, "ttft_miss") == 1
+
+
+def test_once_a_miss_set_the_limit_the_decode_line_no_longer_lowers_it() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    # The line, learnt over loads 5-40: 20 ms + 2 ms per running stream, 30 at the 80 ms aim.
+    _learn_line(worker)
+    # 60 running, a stream at 110 ms a token over the 100 ms target: cut by 10% to 54.
+    worker.limit = ConcurrencyLimit(initial=256, maximum=256)
+    worker.add_in_flight(60, clock.now)
+    limits.learn(worker, 0.2, 0.11, 1, clock.now, 60.0)
+    assert limits.cap(worker) == 54
+    assert _cuts(metrics, "tpot_miss") == 1
+    # Streams from the lighter load of seconds before, within the aim: the line projects 30,
+    # but nothing measured says 54 is too many. Only a measurement lowers a measured limit.
+    clock.now += 2
+    limits.learn(worker, 0.2, 0.03, 1, clock.now, 12.0)
+    assert limits.cap(worker) == 54
+    assert _cuts(metrics, "decode_line") == 0
+    # The worker's live pace over the target is one.
+    worker.add_in_flight(-6, clock.now)
+    limits.paced(worker, 0.12, clock.now)
+    assert limits.cap(worker) < 54
+    assert _cuts(metrics, "decode_pace") == 1
+    # So is the worker holding requests back; the line's own lowering is not.
+    worker.limit = ConcurrencyLimit(initial=256, maximum=256)
+    assert worker.limit.hold(40, clock.now, measured=False)
+    assert not worker.limit.measured
+    assert worker.limit.hold(35, clock.now)
+    assert worker.limit.measured
