@@ -16,7 +16,8 @@ window (additive increase, multiplicative decrease):
   ``decrease``, or by target / latency when that is lower (down to a half: far over the
   target, a 10% cut a second took many seconds to come down), at most once per
   ``cooldown_s`` since one overload is seen by every request that lived through it, and from
-  the count in flight when that is lower (:meth:`ConcurrencyLimit.cut`);
+  the load the miss was measured at when that is lower: the larger of the count in flight
+  and the load the stream (or the pace window) ran under (:meth:`ConcurrencyLimit.cut`);
 * a worker that holds requests back for capacity sets the limit to what it runs
   (:meth:`ConcurrencyLimit.hold`);
 * so does the worker's live pace (:class:`DecodePace`) when its running streams, together,
@@ -142,7 +143,10 @@ class ConcurrencyLimit:
         Returns whether the limit fell (only a miss lowers it).
         """
         if latency > target:
-            return self.cut(in_flight, now, latency / target)
+            # The miss happened at the load it ran under, however few run as it ends.
+            return self.cut(
+                in_flight if load is None else max(in_flight, load), now, latency / target
+            )
         if latency > aim:
             return False
         # Only a request that ran at the limit says the limit is safe: one that finishes now
@@ -170,7 +174,7 @@ class DecodePace:
     """
 
     __slots__ = (
-        "_count", "_min_gaps", "_since", "_sum", "_window", "alarm", "tokens_per_event",
+        "_count", "_min_gaps", "_since", "_sum", "_window", "alarm", "load", "tokens_per_event",
     )  # fmt: skip
 
     def __init__(self, window_s: float = 3.0, min_gaps: int = 20) -> None:
@@ -182,6 +186,8 @@ class DecodePace:
         self.tokens_per_event = 1.0
         self.alarm = math.inf
         """A pace per token so slow that a window closes early on it (see :meth:`gap`)."""
+        self.load = 0.0
+        """How many streams ran, on average, over the window of the latest reading."""
 
     def gap(self, seconds: float, now: float) -> float | None:
         """Add one stream's gap since its previous output event, received at ``now``.
@@ -204,6 +210,9 @@ class DecodePace:
         reading = None
         if self._count >= self._min_gaps and math.isfinite(self._since):
             reading = self._sum / self._count / self.tokens_per_event
+            # Each running stream's gaps tile the time it ran: their sum over the window's
+            # length is the mean number of streams the reading is of.
+            self.load = self._sum / elapsed
         self._since = now
         self._sum = 0.0
         self._count = 0

@@ -190,7 +190,10 @@ class Limits:
         self._metrics.worker_decode_pace.labels(worker.label).set(pace_s)
         target, _ = self.targets(now)
         if target is not None and pace_s > target:
-            running = worker.in_flight + self._others(worker, now)
+            # From the load the reading is of: the window may close as the batch it measured
+            # has drained (seen: a window of a surge's end closed by the next request's first
+            # gap, with one running, cut a worker to 1).
+            running = max(worker.in_flight + self._others(worker, now), worker.pace.load)
             if worker.limit.cut(running, now, pace_s / target):
                 self._metrics.limit_cut(worker.label, LimitCut.DECODE_PACE)
 

@@ -459,3 +459,29 @@ def test_once_a_miss_set_the_limit_the_decode_line_no_longer_lowers_it() -> None
     assert not worker.limit.measured
     assert worker.limit.hold(35, clock.now)
     assert worker.limit.measured
+
+
+def test_a_miss_cuts_from_the_load_it_was_measured_at_not_what_runs_as_it_ends() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    # A stream that decoded under a mean load of 20 at 110 ms a token, over the 100 ms
+    # target, ends as the last of its batch: cut by 10% from 20, not from the 1 running.
+    worker.limit = ConcurrencyLimit(initial=256, maximum=256)
+    limits.learn(worker, 0.2, 0.11, 1, clock.now, 20.0)
+    assert limits.cap(worker) == 18
+    # The worker's pace: 10 streams at 150 ms a token, read when 100 gaps (1.5 s) say it is
+    # over the target, while the gateway counts one running (the others another replica's,
+    # not yet scraped, or already ended). Cut from the 10 it measured.
+    worker.limit = ConcurrencyLimit(initial=256, maximum=256)
+    worker.add_in_flight(1, clock.now)
+    worker.pace.gap(0.15, clock.now)
+    readings = []
+    for _ in range(10):
+        clock.now += 0.15
+        readings += [worker.pace.gap(0.15, clock.now) for _ in range(10)]
+    assert [r for r in readings if r is not None] == [pytest.approx(0.15)]
+    assert worker.pace.load == pytest.approx(10)
+    limits.paced(worker, 0.15, clock.now)
+    assert limits.cap(worker) == 6  # 10 x 100 / 150 ms
+    assert _cuts(metrics, "decode_pace") == 1
