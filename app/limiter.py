@@ -109,18 +109,30 @@ class ConcurrencyLimit:
         if to > self.value and now - self._last_cut >= self._settle:
             self.value = min(self.maximum, to)
 
-    def hold(self, running: float, now: float, measured: bool = True) -> bool:
+    def hold(self, running: float, now: float) -> bool:
         """The worker runs ``running`` and holds the rest back: that is its limit now.
 
-        Returns whether the limit fell. ``measured`` False: ``running`` is a projection (the
-        learnt decode line's), which leaves :attr:`measured` as it was.
+        Returns whether the limit fell.
         """
         if running >= self.value:
             return False
+        self.measured = True
+        return self._lower(running, now)
+
+    def project(self, to: float, now: float) -> bool:
+        """A projection (the learnt decode line's) says ``to`` keep the aim: lower to it.
+
+        Only while no measurement has lowered the limit: a projection is not evidence, and
+        once measured a limit falls only on measurements. Returns whether the limit fell.
+        """
+        if self.measured or to >= self.value:
+            return False
+        return self._lower(to, now)
+
+    def _lower(self, to: float, now: float) -> bool:
         before = self.value
-        self.value = max(self.minimum, running)
+        self.value = max(self.minimum, to)
         self._last_cut = now
-        self.measured = self.measured or measured
         return self.value < before
 
     def on_result(

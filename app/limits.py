@@ -145,11 +145,9 @@ class Limits:
                 # The stream itself kept the aim at its load: a measurement outranks the
                 # line's projection (fitted across arrival rates, whose prefill stalls differ).
                 bound = max(bound, decode_load)
-            # The line is a projection, not evidence: it lowers only a limit that no miss and
-            # no worker queueing has lowered yet (the first surge's). Once measured, a limit
-            # falls only on measurements; a projection under it queues what the worker serves
-            # in time.
-            if not worker.limit.measured and worker.limit.hold(bound, now, measured=False):
+            # The line lowers only a limit no measurement has lowered yet (the first surge's):
+            # a projection under a measured limit queues what the worker serves in time.
+            if worker.limit.project(bound, now):
                 self._metrics.limit_cut(worker.label, LimitCut.DECODE_LINE)
             elif math.isfinite(bound):
                 # Below the line's load, once a cut has settled: the line learnt across loads

@@ -455,7 +455,7 @@ def test_once_a_miss_set_the_limit_the_decode_line_no_longer_lowers_it() -> None
     assert _cuts(metrics, "decode_pace") == 1
     # So is the worker holding requests back; the line's own lowering is not.
     worker.limit = ConcurrencyLimit(initial=256, maximum=256)
-    assert worker.limit.hold(40, clock.now, measured=False)
+    assert worker.limit.project(40, clock.now)
     assert not worker.limit.measured
     assert worker.limit.hold(35, clock.now)
     assert worker.limit.measured
