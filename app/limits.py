@@ -96,9 +96,10 @@ class Limits:
         Only once streams finished across a range of loads (their spread at least
         ``_MIN_LOAD_SPREAD``) and TPOT was seen to grow with load: sequential or light traffic
         says nothing of the slope, and a worker whose pace does not depend on its batch has no
-        such bound. It lowers a limit above it that no measurement has set yet, and lifts one
-        a cut left below it once the cut has settled (:meth:`learn`); holding the load under
-        it narrows the loads seen, so it is not a standing cap.
+        such bound. It lowers a limit above it that no measurement has set yet, lifts one a
+        cut left below it once the cut has settled, and bounds how far one stream's own
+        projection lifts a limit (:meth:`learn`); holding the load under it narrows the loads
+        seen, so it is not a standing cap.
         """
         line = worker.latency.decode
         if line.spread < _MIN_LOAD_SPREAD or line.slope <= 0:
@@ -131,7 +132,10 @@ class Limits:
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target
             running = worker.in_flight + 1 + self._others(worker, now)
-            if worker.limit.on_result(tpot_s, headroom * target, target, running, now, decode_load):
+            line = self._decode_fit(worker, headroom * target)
+            if worker.limit.on_result(
+                tpot_s, headroom * target, target, running, now, decode_load, line
+            ):
                 self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
             # Until the batch first outgrows the target, the limit stands where it started: the
             # decode line learnt from streams at a range of loads says where that will be, so

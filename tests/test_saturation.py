@@ -485,3 +485,22 @@ def test_a_miss_cuts_from_the_load_it_was_measured_at_not_what_runs_as_it_ends()
     limits.paced(worker, 0.15, clock.now)
     assert limits.cap(worker) == 6  # 10 x 100 / 150 ms
     assert _cuts(metrics, "decode_pace") == 1
+
+
+def test_a_stream_within_the_aim_lifts_the_limit_no_further_than_the_decode_line() -> None:
+    clock = FakeClock()
+    admission, pool, _, _ = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    # The line, learnt over loads 5-40: 20 ms + 2 ms per running stream, 30 at the 80 ms aim.
+    _learn_line(worker)
+    # A limit a miss set (the line no longer lowers it), settled since.
+    worker.limit = ConcurrencyLimit(initial=20, maximum=256)
+    assert worker.limit.cut(20, clock.now)
+    clock.now += 6
+    # A stream at a mean load of 12, 20 ms a token: in proportion, 48 would keep the aim,
+    # but the line, which has seen what more streams cost, says 29 (with its prior).
+    limits.learn(worker, 0.2, 0.02, 1, clock.now, 12.0)
+    assert limits.cap(worker) == 29
+    # A stream that kept the aim at 35 is a measurement: the limit rises past the line to it.
+    limits.learn(worker, 0.2, 0.07, 1, clock.now, 35.0)
+    assert limits.cap(worker) == 35
