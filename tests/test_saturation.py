@@ -270,6 +270,17 @@ def _learn_line(worker: Worker) -> None:
         worker.latency.observe_tpot(float(load), 0.02 + 0.002 * load)
 
 
+def _lined(clock: FakeClock) -> tuple[Limits, Worker, GatewayMetrics]:
+    """A controller's limits, its worker with the line of :func:`_learn_line`, its metrics.
+
+    At the 80 ms aim that line says 30 (29 with its prior).
+    """
+    admission, pool, metrics, _ = _controller(clock)
+    worker = pool.workers["a:1"]
+    _learn_line(worker)
+    return admission.limits, worker, metrics
+
+
 def _cuts(metrics: GatewayMetrics, cause: str) -> float:
     return sum(
         sample.value
@@ -300,9 +311,7 @@ def test_every_lowering_of_a_limit_is_counted_under_its_cause() -> None:
     limits.learn(worker, 2.0, None, 4, clock.now)
     assert _cuts(metrics, "ttft_miss") == 1
     # A decode line learnt over loads 5-40 (20 ms + 2 ms a stream) under a limit above 30.
-    admission, pool, metrics, _ = _controller(clock)
-    limits, worker = admission.limits, pool.workers["a:1"]
-    _learn_line(worker)
+    limits, worker, metrics = _lined(clock)
     limits.learn(worker, None, 0.03, 1, clock.now, 5.0)
     assert _cuts(metrics, "decode_line") == 1
     assert limits.cap(worker) == pytest.approx(30, abs=2)
@@ -355,10 +364,7 @@ def test_the_limits_keep_the_targets_of_the_tiers_that_have_requests() -> None:
 
 def test_a_limit_below_the_learnt_decode_line_rises_to_it_once_its_cut_settled() -> None:
     clock = FakeClock()
-    admission, pool, _, _ = _controller(clock)
-    limits, worker = admission.limits, pool.workers["a:1"]
-    # The decode line, learnt over loads 5-40: 20 ms + 2 ms per running stream, 30 at the aim.
-    _learn_line(worker)
+    limits, worker, _ = _lined(clock)
     # A surge's miss cut the limit to 6; then light traffic, 2 running, 25 ms per token.
     worker.limit = ConcurrencyLimit(initial=256, maximum=256, settle_s=5.0)
     worker.limit.cut(6.7, clock.now)
@@ -399,11 +405,8 @@ def test_a_first_token_the_gateway_itself_read_late_does_not_cut_the_prefill_lim
 
 def test_the_decode_line_does_not_cut_below_a_load_a_stream_kept_the_aim_at() -> None:
     clock = FakeClock()
-    admission, pool, metrics, _ = _controller(clock)
-    limits, worker = admission.limits, pool.workers["a:1"]
-    # The line, learnt at a higher arrival rate (more prefill stalls): 20 ms + 2 ms per
-    # running stream, 30 at the 80 ms aim.
-    _learn_line(worker)
+    # The line, learnt at a higher arrival rate (more prefill stalls): 30 at the 80 ms aim.
+    limits, worker, metrics = _lined(clock)
     # Now a stream ran at 36 at 70 ms a token: the worker keeps the aim there, whatever the
     # line projects. The limit is not cut below the load it ran at.
     limits.learn(worker, 0.2, 0.07, 1, clock.now, 36.0)
@@ -432,10 +435,7 @@ def test_a_long_prompt_prefilled_alone_does_not_cut_the_prefill_limit() -> None:
 
 def test_once_a_miss_set_the_limit_the_decode_line_no_longer_lowers_it() -> None:
     clock = FakeClock()
-    admission, pool, metrics, _ = _controller(clock)
-    limits, worker = admission.limits, pool.workers["a:1"]
-    # The line, learnt over loads 5-40: 20 ms + 2 ms per running stream, 30 at the 80 ms aim.
-    _learn_line(worker)
+    limits, worker, metrics = _lined(clock)
     # 60 running, a stream at 110 ms a token over the 100 ms target: cut by 10% to 54.
     worker.limit = ConcurrencyLimit(initial=256, maximum=256)
     worker.add_in_flight(60, clock.now)
@@ -489,10 +489,7 @@ def test_a_miss_cuts_from_the_load_it_was_measured_at_not_what_runs_as_it_ends()
 
 def test_a_stream_within_the_aim_lifts_the_limit_no_further_than_the_decode_line() -> None:
     clock = FakeClock()
-    admission, pool, _, _ = _controller(clock)
-    limits, worker = admission.limits, pool.workers["a:1"]
-    # The line, learnt over loads 5-40: 20 ms + 2 ms per running stream, 30 at the 80 ms aim.
-    _learn_line(worker)
+    limits, worker, _ = _lined(clock)
     # A limit a miss set (the line no longer lowers it), settled since.
     worker.limit = ConcurrencyLimit(initial=20, maximum=256)
     assert worker.limit.cut(20, clock.now)
