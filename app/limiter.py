@@ -26,13 +26,13 @@ window (additive increase, multiplicative decrease):
 * a request between the aim and the target changes nothing;
 * given the ``load`` it ran under, a request within the aim also lets the limit rise at once to
   that load scaled by aim / latency, unless the limit was cut in the last ``settle_s``, and no
-  higher than a ``ceiling`` (the learnt decode line's load, :mod:`app.limits`) unless the load
-  itself was. A decode step grows with the batch at most in proportion (a fixed cost plus a cost
-  per sequence), so that load would keep the aim if decode were all; the prefills of more
-  arrivals stall the steps too, which the line, fitted across loads, measures. Additive increase
-  alone needs a request's whole lifetime per step: after a calm spell a surge found the limit
-  where the calm had left it (10 per worker, against ~26 once settled) and interactive requests
-  were turned away for its first 3 s.
+  higher than a ``ceiling`` (the learnt decode line's load, or the request's own load when
+  higher: :mod:`app.limits`). A decode step grows with the batch at most in proportion (a fixed
+  cost plus a cost per sequence), so that load would keep the aim if decode were all; the
+  prefills of more arrivals stall the steps too, which the line, fitted across loads, measures.
+  Additive increase alone needs a request's whole lifetime per step: after a calm spell a surge
+  found the limit where the calm had left it (10 per worker, against ~26 once settled) and
+  interactive requests were turned away for its first 3 s.
 """
 
 from __future__ import annotations
@@ -150,11 +150,11 @@ class ConcurrencyLimit:
         """Learn from one finished request's ``latency``; ``in_flight`` includes it.
 
         At most ``aim``: room to grow (by one if it ran at the limit; to ``load`` x aim / latency,
-        at most ``ceiling`` or ``load``, if that is more and no cut is recent, ``load`` being the
-        mean number of requests it shared the worker with, itself included). Over ``target``: a
-        miss, cut. In between: no change. Cutting only on real misses, rather than on every request
-        over the aim, lets the limit settle where the latency spread straddles the aim instead of
-        well below it (which on a compute-bound worker gave up throughput for no SLO gain).
+        at most ``ceiling``, if that is more and no cut is recent, ``load`` being the mean number of
+        requests it shared the worker with, itself included). Over ``target``: a miss, cut. In
+        between: no change. Cutting only on real misses, rather than on every request over the aim,
+        lets the limit settle where the latency spread straddles the aim instead of well below it
+        (which on a compute-bound worker gave up throughput for no SLO gain).
         Returns whether the limit fell (only a miss lowers it).
         """
         if latency > target:
@@ -170,7 +170,7 @@ class ConcurrencyLimit:
         if ran_at >= self.limit - 1:
             self.value = min(self.maximum, self.value + 1.0)
         if load is not None and latency > 0:
-            self.lift(min(load * aim / latency, max(ceiling, load)), now)
+            self.lift(min(load * aim / latency, ceiling), now)
         return False
 
 

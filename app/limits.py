@@ -131,24 +131,22 @@ class Limits:
         tpot_target, ttft_target = self.targets(now)
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target
+            aim = headroom * target
             running = worker.in_flight + 1 + self._others(worker, now)
-            line = self._decode_fit(worker, headroom * target)
-            if worker.limit.on_result(
-                tpot_s, headroom * target, target, running, now, decode_load, line
-            ):
-                self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
             # Until the batch first outgrows the target, the limit stands where it started: the
             # decode line learnt from streams at a range of loads says where that will be, so
             # the first surge is not let in whole. Only a stream within the aim asks the line:
             # one over it measured the crossing itself, and a line through the prior and a pace
             # flat at the aim crosses it right where the first streams ran, far below the load
             # the worker keeps within the target.
-            aim = headroom * target
             bound = self._decode_fit(worker, aim) if tpot_s <= aim else math.inf
             if decode_load is not None:
                 # The stream itself kept the aim at its load: a measurement outranks the
                 # line's projection (fitted across arrival rates, whose prefill stalls differ).
                 bound = max(bound, decode_load)
+            # The stream's own projection lifts the limit no further than the bound.
+            if worker.limit.on_result(tpot_s, aim, target, running, now, decode_load, bound):
+                self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
             # The line lowers only a limit no measurement has lowered yet (the first surge's):
             # a projection under a measured limit queues what the worker serves in time.
             if worker.limit.project(bound, now):
