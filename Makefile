@@ -10,7 +10,7 @@ WORKER_PORT ?= 8100
 # pip's download cache stays inside the clone too (gitignored), not in ~/.cache.
 export PIP_CACHE_DIR ?= $(CURDIR)/.run/cache/pip
 
-.PHONY: help install worker ops-tools redis run test lint typecheck unit bench bench-routing bench-admission clean
+.PHONY: help install worker ops-tools redis router run test lint typecheck unit bench bench-routing bench-admission clean
 
 help:
 	@echo "make run    - start a vLLM CPU worker and the gateway in front of it (port $(GATEWAY_PORT))"
@@ -33,6 +33,10 @@ worker:
 ops-tools:
 	bash scripts/install_ops_tools.sh
 
+# vllm-router (Rust), the reference `make bench` measures beside the gateway.
+router:
+	bash scripts/install_router.sh
+
 # redis-server for the tests of state shared between gateway processes (Debian's package).
 redis:
 	bash scripts/install_redis.sh
@@ -53,7 +57,7 @@ test: lint typecheck worker ops-tools redis
 unit: install redis
 	$(BIN)/pytest -m "not worker"
 
-bench: install
+bench: install router
 	$(BIN)/python -m bench.overhead
 
 bench-routing: install worker
@@ -63,4 +67,4 @@ bench-admission: install worker
 	$(BIN)/python -m bench.admission
 
 clean:
-	rm -rf $(VENV) .venv-worker .venv-ops .run .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-worker .venv-ops .venv-router .run .mypy_cache .ruff_cache .pytest_cache

@@ -25,6 +25,10 @@ RSS with and without them, and sends probe requests through the gateway and dire
 run. ``--profile 32,128`` records the gateway with py-spy in one extra round at each of those
 concurrencies and prints its top functions.
 
+With ``--reference`` (by default ``.venv-router``'s, which ``make bench`` installs), vLLM's Rust
+router (``vllm-router``, round robin) relays the same rounds in front of the same workers: what
+relaying costs on this machine in a compiled router, beside what it costs in the gateway.
+
 It prints markdown tables and PASS/MISS against the targets of issue 15, writes a JSON file,
 and always exits 0: it is a benchmark, not a test.
 """
@@ -66,7 +70,10 @@ MODEL: Final = "fake-model"
 CHAT_PATH: Final = "/v1/chat/completions"
 STREAM_TIMEOUT_S: Final = 30.0
 Mode = str
-"""``direct``, ``gateway`` or ``gateway-b`` (the same gateway at another commit or setting)."""
+"""``direct``, ``gateway``, ``gateway-b`` (the same gateway at another commit or setting) or
+``vllm-router`` (the reference)."""
+REFERENCE: Final = "vllm-router"
+REFERENCE_BIN: Final = ROOT / ".venv-router" / "bin" / "vllm-router"
 
 # Targets of issue 15: what the gateway may add on top of the workers.
 ADDED_TTFT_P50_MS: Final = {1: 0.5}
@@ -76,6 +83,9 @@ ITL_P50_TOLERANCE: Final = 0.05
 RATE_MIN_RATIO: Final = 0.95
 CPU_PER_EVENT_US: Final = 25.0
 CPU_FLAT_RATIO: Final = 1.5
+# The issue's 25 µs against the 17 µs vllm-router took beside it at 32 and 128 streams: the same
+# target on a machine whose syscalls and wake-ups cost more or less.
+CPU_OF_REFERENCE_RATIO: Final = 25.0 / 17.0
 MEMORY_RSS_MAX_MIB: Final = 1024.0
 MEMORY_PROBE_P99_MS: Final = 50.0
 
@@ -299,8 +309,10 @@ class Stack:
         nofile: int = 0,
         b_root: Path | None = None,
         b_env: dict[str, str] | None = None,
+        reference: Path | None = None,
     ) -> None:
         self._b_root = b_root
+        self._reference = reference
         self._b_env = b_env
         self._workers = workers
         self._want_gateway = gateway
@@ -313,6 +325,7 @@ class Stack:
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.worker_ports: list[int] = []
         self.gateway_ports: dict[str, int] = {}
+        """Every relay under test, by name: the gateway(s) and the reference."""
 
     @property
     def gateway_port(self) -> int:
@@ -361,6 +374,8 @@ class Stack:
         if self._b_root is not None or self._b_env:
             b_env = self._gateway_env | (self._b_env or {})
             self._start_gateway("gateway-b", self._b_root or ROOT, b_env)
+        if self._reference is not None:
+            self._start_reference(self._reference)
 
     def _start_gateway(self, name: str, root: Path, extra: dict[str, str]) -> None:
         port = self.gateway_ports[name] = free_port()
@@ -377,6 +392,18 @@ class Stack:
         )
         self._spawn(name, [sys.executable, "-m", "app"], cwd=root, env=env)
         self._wait_ready(name, f"http://{HOST}:{port}/readyz", 60.0)
+
+    def _start_reference(self, executable: Path) -> None:
+        """Start the reference, vLLM's Rust router, in front of the same workers (round robin)."""
+        port = self.gateway_ports[REFERENCE] = free_port()
+        urls = [f"http://{HOST}:{p}" for p in self.worker_ports]
+        command = [
+            str(executable), "--host", HOST, "--port", str(port), "--worker-urls", *urls,
+            "--policy", "round_robin", "--log-level", "warning",
+            "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
+        ]  # fmt: skip
+        self._spawn(REFERENCE, command)
+        self._wait_ready(REFERENCE, f"http://{HOST}:{port}/health", 60.0)
 
     def _read_worker_port(self, name: str, proc: subprocess.Popen[bytes]) -> int:
         assert proc.stdout is not None
@@ -930,6 +957,12 @@ def checks(
             out.append(Check(f"gateway CPU per event @ {conc}", cpu,
                              f"<= {CPU_PER_EVENT_US:g} µs", cpu <= CPU_PER_EVENT_US,
                              f"{cpu:.1f} µs"))  # fmt: skip
+            reference = cells.get((REFERENCE, conc))
+            if reference is not None:
+                times = cpu / reference.cpu_us_per_event
+                out.append(Check(f"CPU per event gateway/{REFERENCE} @ {conc}", times,
+                                 f"<= {CPU_OF_REFERENCE_RATIO:.2f}x",
+                                 times <= CPU_OF_REFERENCE_RATIO, f"{times:.2f}x"))  # fmt: skip
         same = set(gw.content_per_stream) == set(direct.content_per_stream) == {tokens}
         whole = gw.max_content_per_http_chunk == 1
         seen = "/".join(str(k) for k in sorted(gw.content_per_stream)) or "none"
@@ -1076,6 +1109,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="also run gateway-b with this extra environment (repeatable)",
     )
+    parser.add_argument(
+        "--reference",
+        default="auto",
+        help="vllm-router executable measured beside the gateway as the reference "
+        "(auto: .venv-router's, from scripts/install_router.sh, when present; none: skip)",
+    )
     parser.add_argument("--direct-only", action="store_true",
                         help="measure the workers alone (no gateway)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -1095,6 +1134,17 @@ def _export(ref: str, logs: Path) -> Path:
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
+
+
+def _reference(option: str) -> Path | None:
+    """The reference router's executable that ``--reference`` names, if it is there."""
+    if option == "none":
+        return None
+    path = REFERENCE_BIN if option == "auto" else Path(option)
+    if os.access(path, os.X_OK):
+        return path
+    _log(f"no {REFERENCE} at {path} (scripts/install_router.sh installs it): measuring without")
+    return None
 
 
 def _log(message: str) -> None:
@@ -1126,6 +1176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     } | dict(item.split("=", 1) for item in args.gateway_env)
     b_env = dict(item.split("=", 1) for item in args.b_env)
     b_root = _export(args.b_ref, args.logs) if args.b_ref else None
+    reference = _reference(args.reference) if gateway else None
     started = time.time()
     load_before = _loadavg()
     cells: dict[tuple[Mode, int], Cell] = {}
@@ -1139,6 +1190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                     workers=args.workers, gateway=gateway, logdir=args.logs,
                     gateway_env=gateway_env, log=_log, max_num_seqs=max(1024, *concurrencies),
                     nofile=4 * max(concurrencies) + 1024, b_root=b_root, b_env=b_env,
+                    reference=reference,
                 ) as stack,
                 contextlib.closing(ClientPool(args.clients)) as clients,
             ):  # fmt: skip
