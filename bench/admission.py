@@ -5,7 +5,8 @@
 Two real vLLM CPU workers serve ``bench-llama`` (see :mod:`bench.live`), sharing one core; the
 other core is left to the gateway and this client. Three API keys map to the gateway's default
 tiers (interactive: TTFT 1 s, TPOT 100 ms; standard: TTFT 5 s, TPOT 200 ms; batch: TTFT 60 s).
-Every request streams a chat completion of a ~350-900-token prompt and 64 tokens out.
+Every request streams a chat completion of a prompt (a shared ~340-token system prompt and a
+user message of ~35-220 tokens of its own, see :func:`chat_prompt`) and 64 tokens out.
 
 1. Capacity (after a warm-up at full batch): Poisson arrivals of interactive requests at 6, 7,
    8, ... req/s (or 5, 4, ... if 6 fails) through the gateway with admission off, each step
@@ -49,7 +50,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -60,8 +61,8 @@ from bench.live import (
     Outcome,
     arrival_times,
     bench_worker,
+    fresh_text,
     log,
-    prompt_text,
     reset_prefix_caches,
     running_gateway,
     running_workers,
@@ -85,6 +86,10 @@ LOADS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 COLD_BURST = 64
 BURSTY = ((5.0, 2.0), (5.0, 0.25)) * 4
 """(seconds, x capacity) spans of the bursty run."""
+SYSTEM_PROMPT: Final = fresh_text(200, random.Random(0))
+"""The start every prompt shares (~340 tokens), as a chat application's system prompt."""
+USER_WORDS: Final = (20, 130)
+"""The range of a user message's words (~35-220 tokens), drawn uniformly."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +101,26 @@ class Arrival:
     prompt: str
 
 
+def chat_prompt(rng: random.Random) -> str:
+    """The shared system prompt, then a user message of its own that no other prompt shares.
+
+    Only the system prompt is ever found in a worker's prefix cache, so a prompt's prefill costs
+    the same at a run's start as at its end, and as in the calibration. Prompts that were
+    rotations of one short text (33 different starts) were all cached within half a run: TTFT
+    medians fell by half after 25 s, and the first half of every run was served more slowly
+    than the capacity calibrated on warm caches said. User messages of 100-400 words (~500
+    tokens to prefill each) brought the capacity to 1 req/s: 10 requests in a 40-s run at
+    0.25x, too few to compare anything.
+    """
+    return f"{SYSTEM_PROMPT} {fresh_text(rng.randint(*USER_WORDS), rng)}"
+
+
 def workload(rate: float, duration: float, rng: random.Random) -> list[Arrival]:
-    """Poisson arrivals with the tier mix and prompts of 200-500 words (~350-900 tokens)."""
+    """Poisson arrivals with the tier mix and :func:`chat_prompt` prompts (~375-560 tokens)."""
     names = [name for name, _ in MIX]
     weights = [share for _, share in MIX]
     return [
-        Arrival(offset, rng.choices(names, weights)[0], prompt_text(rng.randint(200, 500), rng))
+        Arrival(offset, rng.choices(names, weights)[0], chat_prompt(rng))
         for offset in arrival_times(rate, duration, rng)
     ]
 
@@ -191,7 +210,7 @@ async def closed_loop(
                         client,
                         gateway,
                         model=BENCH_MODEL,
-                        prompt=prompt_text(rng.randint(200, 500), rng),
+                        prompt=chat_prompt(rng),
                         max_tokens=MAX_TOKENS,
                         headers={"authorization": f"Bearer {key}"},
                     )
@@ -568,7 +587,7 @@ async def run(
         burst_rng = random.Random(args.seed + 3)
         names, weights = [name for name, _ in MIX], [share for _, share in MIX]
         burst = [
-            Arrival(0.0, burst_rng.choices(names, weights)[0], prompt_text(300, burst_rng))
+            Arrival(0.0, burst_rng.choices(names, weights)[0], chat_prompt(burst_rng))
             for _ in range(COLD_BURST)
         ]
         result = await bench.compare(f"cold burst of {len(burst)}", burst, 1.0)
@@ -647,8 +666,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"met their SLO through a pass-through gateway): {report['capacity_rps']:.2f} req/s. "
         f"Each run: the same arrivals through a fresh gateway with admission on and off; "
         f"{args.duration:.0f} s of Poisson arrivals per load, 30% interactive / 50% standard / "
-        f"20% batch, ~350-900-token prompts, {MAX_TOKENS} tokens out. Goodput = requests "
-        "meeting every SLO of their tier per second of arrivals.\n"
+        f"20% batch, ~375-560-token prompts (~340 shared), {MAX_TOKENS} tokens out. "
+        "Goodput = requests meeting every SLO of their tier per second of arrivals.\n"
     )
     top = next((r for r in report["runs"] if r.get("load") == max(LOADS)), None)
     if args.modes == "on,off":

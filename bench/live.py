@@ -63,6 +63,11 @@ def prompt_text(words: int, rng: random.Random) -> str:
     return " ".join(_WORDS[(start + i) % len(_WORDS)] for i in range(words))
 
 
+def fresh_text(words: int, rng: random.Random) -> str:
+    """``words`` words drawn at random: text no earlier prompt shares (no prefix-cache hits)."""
+    return " ".join(rng.choices(_WORDS, k=words))
+
+
 def bench_worker(
     port: int, cpus: str | None = None, *, dev_mode: bool = False, kv_blocks: int | None = None
 ) -> VllmWorker:
