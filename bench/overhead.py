@@ -899,8 +899,8 @@ def process_table(cells: dict[tuple[Mode, int], Cell]) -> str:
         used = cell.cpu_percent()
         clients = [v for k, v in used.items() if k.startswith("client")]
         workers = [v for k, v in used.items() if k.startswith("worker")]
-        gateways = sum(v for k, v in used.items() if k.startswith("gateway") or k == REFERENCE)
-        ours = sum(clients) + sum(workers) + gateways + used.get("bench", 0.0)
+        relays = sum(v for k, v in used.items() if k.startswith("gateway") or k == REFERENCE)
+        ours = sum(clients) + sum(workers) + relays + used.get("bench", 0.0)
         machine = used.get("machine", math.nan)
         per_stream = cell.worker_connections / cell.sent if cell.sent else math.nan
         lines.append(
