@@ -125,10 +125,12 @@ class Limits:
         how many ran with it on average while it decoded: a TPOT within the aim lets the running
         limit rise at once to the load that would take TPOT to the aim
         (:meth:`app.limiter.ConcurrencyLimit.on_result`). The prefill limit does not project
-        so: prompts differ in length, so one short prefill says little.
+        so: prompts differ in length, so one short prefill says little. A ``worker_ttft_s``
+        steers the prefill limit as :meth:`first_token` does (the relay calls that when the
+        first token comes; the recorder then passes None here).
         """
         headroom = self._settings.ttft_headroom
-        tpot_target, ttft_target = self.targets(now)
+        tpot_target, _ = self.targets(now)
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target
             aim = headroom * target
@@ -156,12 +158,25 @@ class Limits:
                 # says how many keep the aim, where additive growth alone needs a request's
                 # life a step and light traffic (never at the limit) takes no step at all.
                 worker.limit.lift(bound, now)
+        if worker_ttft_s is not None:
+            self.first_token(worker, worker_ttft_s, prefill_peers, now)
+
+    def first_token(
+        self, worker: Worker, worker_ttft_s: float, prefill_peers: int, now: float
+    ) -> None:
+        """Steer ``worker``'s prefill limit by a request's time from dispatch to first output.
+
+        Learnt when the first token comes, not when the answer ends: a surge's late first
+        tokens then cut the limit within its first seconds instead of an answer's life later,
+        while the prefills it let in still hold lower tiers' requests at the worker.
+        """
+        _, ttft_target = self.targets(now)
+        headroom = self._settings.ttft_headroom
         target = ttft_target / 2
         # A miss that prefilled alone was a long prompt: fewer prefills at once would not have
         # sped it, and cutting for it held lower tiers behind every prefill.
         if (
-            worker_ttft_s is not None
-            and not self._own_delay(worker_ttft_s - target)
+            not self._own_delay(worker_ttft_s - target)
             and not (prefill_peers <= 1 and worker_ttft_s > target)
             and worker.prefill_limit.on_result(
                 worker_ttft_s, headroom * target, target, prefill_peers, now

@@ -131,9 +131,9 @@ class Recorder:
         if timing.tpot_s is not None and load is not None:
             worker.latency.observe_tpot(load, timing.tpot_s)
         if request.stream:
-            worker_ttft = None if lease.first is None else lease.first - lease.dispatched
+            # The prefill limit learnt from the first token when it came (the relay).
             self._limits.learn(
-                worker, worker_ttft, timing.tpot_s, lease.prefill_peers, self._pool.now(), load
+                worker, None, timing.tpot_s, lease.prefill_peers, self._pool.now(), load
             )
 
     def plain(

@@ -292,6 +292,8 @@ class Relay(Response):
         if not self._engine:
             return  # the tokenizer's answer: no prefill to learn from
         ttft = at - lease.dispatched
+        if self._request.stream:
+            deps.admission.limits.first_token(worker, ttft, lease.prefill_peers, at)
         worker.latency.observe_ttft(lease.choice.prefill_work, ttft)
         worker.recent_ttft.observe(ttft, at)
         deps.metrics.worker_ttft.labels(worker.label).observe(ttft)

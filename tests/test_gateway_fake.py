@@ -13,7 +13,8 @@ import httpx
 import pytest
 from pydantic import TypeAdapter
 
-from tests.fake_upstream import DONE, MODEL, FakeWorker, chunk, tokens
+from app.settings import TierSpec
+from tests.fake_upstream import DONE, MODEL, FakeWorker, chunk, tokens, usage_chunk
 from tests.servers import running_gateway, settings_for
 
 WORKER = "http://fake-worker:8100"
@@ -582,3 +583,60 @@ async def test_a_key_with_non_ascii_characters_matches_on_its_utf8_bytes() -> No
     assert ok.status_code == 200
     assert wrong.status_code == 401
     assert wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_late_first_tokens_cut_the_prefill_limit_before_their_answers_end() -> None:
+    """A surge's late first tokens lower the worker's prefill limit while they still stream:
+    learnt at the end of each answer, the limit would stand while their excess held it."""
+    release = asyncio.Event()
+
+    async def late_first_token(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        async def events() -> AsyncIterator[bytes]:
+            # The worker's share of the tier's 0.4 s TTFT target is 0.2 s.
+            await asyncio.sleep(0.3)
+            yield chunk(" a")
+            await release.wait()
+            yield chunk(" b", finish="length")
+            yield usage_chunk(3, 2)
+            yield DONE
+
+        return worker.sse(events())
+
+    worker = FakeWorker(late_first_token)
+    tier = TierSpec(name="standard", priority=0, ttft_slo_s=0.4, max_queue_wait_s=1.0)
+    settings = settings_for(WORKER, tiers=(tier,))
+    async with (
+        running_gateway(settings, worker.transport) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+
+        async def stream() -> list[bytes]:
+            async with client.stream("POST", "/v1/chat/completions", json=_chat()) as r:
+                assert r.status_code == 200
+                return await _events(r)
+
+        streams = [asyncio.create_task(stream()) for _ in range(3)]
+        cuts = limit = 0.0
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            text = (await client.get("/metrics")).text
+            cuts = _sample(text, "gateway_worker_limit_cuts_total", 'cause="ttft_miss"')
+            limit = _sample(text, "gateway_worker_prefill_concurrency_limit", "worker=")
+            if cuts:
+                break
+        # Three prefilled together, each first token 0.1 s over the share: cut, mid-answer.
+        assert cuts >= 1
+        assert limit < 256
+        assert not any(task.done() for task in streams)
+        release.set()
+        for events in await asyncio.gather(*streams):
+            assert events[-1] == DONE
+
+
+def _sample(text: str, name: str, label: str) -> float:
+    """The sum of ``name``'s samples whose labels contain ``label``."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line
+    )
