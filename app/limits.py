@@ -111,23 +111,14 @@ class Limits:
         return min(self._settings.max_running_per_worker, worker.prefill_limit.limit)
 
     def learn(
-        self,
-        worker: Worker,
-        worker_ttft_s: float | None,
-        tpot_s: float | None,
-        prefill_peers: int,
-        now: float,
-        decode_load: float | None = None,
+        self, worker: Worker, tpot_s: float | None, now: float, decode_load: float | None = None
     ) -> None:
-        """Steer ``worker``'s limits by a finished stream's latencies.
+        """Steer ``worker``'s running limit by a finished stream's TPOT.
 
-        ``prefill_peers`` is how many were prefilling with it (itself included), ``decode_load``
-        how many ran with it on average while it decoded: a TPOT within the aim lets the running
-        limit rise at once to the load that would take TPOT to the aim
-        (:meth:`app.limiter.ConcurrencyLimit.on_result`). The prefill limit does not project
-        so: prompts differ in length, so one short prefill says little. A ``worker_ttft_s``
-        steers the prefill limit as :meth:`first_token` does (the relay calls that when the
-        first token comes; the recorder then passes None here).
+        ``decode_load`` is how many ran with it on average while it decoded: a TPOT within the
+        aim lets the running limit rise at once to the load that would take TPOT to the aim
+        (:meth:`app.limiter.ConcurrencyLimit.on_result`). The prefill limit learns from the
+        stream's first token when it comes (:meth:`first_token`).
         """
         headroom = self._settings.ttft_headroom
         tpot_target, _ = self.targets(now)
@@ -158,17 +149,18 @@ class Limits:
                 # says how many keep the aim, where additive growth alone needs a request's
                 # life a step and light traffic (never at the limit) takes no step at all.
                 worker.limit.lift(bound, now)
-        if worker_ttft_s is not None:
-            self.first_token(worker, worker_ttft_s, prefill_peers, now)
 
     def first_token(
         self, worker: Worker, worker_ttft_s: float, prefill_peers: int, now: float
     ) -> None:
         """Steer ``worker``'s prefill limit by a request's time from dispatch to first output.
 
-        Learnt when the first token comes, not when the answer ends: a surge's late first
-        tokens then cut the limit within its first seconds instead of an answer's life later,
-        while the prefills it let in still hold lower tiers' requests at the worker.
+        ``prefill_peers`` is how many were prefilling with it (itself included). Learnt when
+        the first token comes, not when the answer ends: a surge's late first tokens then cut
+        the limit within its first seconds instead of an answer's life later, while the
+        prefills it let in still hold lower tiers' requests at the worker. The prefill limit
+        does not project as the running limit does: prompts differ in length, so one short
+        prefill says little.
         """
         _, ttft_target = self.targets(now)
         headroom = self._settings.ttft_headroom

@@ -132,9 +132,7 @@ class Recorder:
             worker.latency.observe_tpot(load, timing.tpot_s)
         if request.stream:
             # The prefill limit learnt from the first token when it came (the relay).
-            self._limits.learn(
-                worker, None, timing.tpot_s, lease.prefill_peers, self._pool.now(), load
-            )
+            self._limits.learn(worker, timing.tpot_s, self._pool.now(), load)
 
     def plain(
         self, request_id: str, endpoint: str, status: int, outcome: Outcome, seconds: float

@@ -116,33 +116,33 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     # Streams within the TPOT target (50 ms <= 0.8 x 100 ms) while the limit was binding: +1.
     worker.in_flight = 7
     for _ in range(4):
-        admission.limits.learn(worker, None, 0.05, 1, clock.now)
+        admission.limits.learn(worker, 0.05, clock.now)
         worker.in_flight = admission.limits.cap(worker) - 1
     assert admission.limits.cap(worker) == 12
     # Not binding (few requests running): no evidence that more would fit, no change.
     worker.in_flight = 2
-    admission.limits.learn(worker, None, 0.05, 1, clock.now)
+    admission.limits.learn(worker, 0.05, clock.now)
     assert admission.limits.cap(worker) == 12
     # Over the aim but within the 100 ms target, while binding: no change either way.
     worker.in_flight = 11
-    admission.limits.learn(worker, None, 0.09, 1, clock.now)
+    admission.limits.learn(worker, 0.09, clock.now)
     assert admission.limits.cap(worker) == 12
     # Over the target: one cut by 10%, then none until a second has passed.
-    admission.limits.learn(worker, None, 0.12, 1, clock.now)
+    admission.limits.learn(worker, 0.12, clock.now)
     assert admission.limits.cap(worker) == 10
-    admission.limits.learn(worker, None, 0.12, 1, clock.now)
+    admission.limits.learn(worker, 0.12, clock.now)
     assert admission.limits.cap(worker) == 10
     # The prefill limit follows the worker's TTFT against half the strictest TTFT target
     # (aim 0.8 x 1 s / 2): quick first tokens while it was binding raise it, one over the
     # 0.5 s target cuts it, one in between changes nothing.
     assert admission.limits.prefill_cap(worker) == 2
-    admission.limits.learn(worker, 0.2, None, 2, clock.now)
-    admission.limits.learn(worker, 0.2, None, 3, clock.now)
+    admission.limits.first_token(worker, 0.2, 2, clock.now)
+    admission.limits.first_token(worker, 0.2, 3, clock.now)
     assert admission.limits.prefill_cap(worker) == 4
     clock.now += 1.0
-    admission.limits.learn(worker, 0.45, None, 4, clock.now)
+    admission.limits.first_token(worker, 0.45, 4, clock.now)
     assert admission.limits.prefill_cap(worker) == 4
-    admission.limits.learn(worker, 0.6, None, 4, clock.now)
+    admission.limits.first_token(worker, 0.6, 4, clock.now)
     assert admission.limits.prefill_cap(worker) == 3
     assert admission.limits.cap(worker) == 10
     # A worker at its prefill limit takes no more requests, though it has running slots;

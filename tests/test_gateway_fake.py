@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 from app.settings import TierSpec
 from tests.fake_upstream import DONE, MODEL, FakeWorker, chunk, tokens, usage_chunk
 from tests.servers import running_gateway, settings_for
+from tests.test_endpoints import _metric
 
 WORKER = "http://fake-worker:8100"
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -620,8 +621,8 @@ async def test_late_first_tokens_cut_the_prefill_limit_before_their_answers_end(
         for _ in range(100):
             await asyncio.sleep(0.05)
             text = (await client.get("/metrics")).text
-            cuts = _sample(text, "gateway_worker_limit_cuts_total", 'cause="ttft_miss"')
-            limit = _sample(text, "gateway_worker_prefill_concurrency_limit", "worker=")
+            cuts = _metric(text, "gateway_worker_limit_cuts_total", cause="ttft_miss")
+            limit = _metric(text, "gateway_worker_prefill_concurrency_limit")
             if cuts:
                 break
         # Three prefilled together, each first token 0.1 s over the share: cut, mid-answer.
@@ -631,12 +632,3 @@ async def test_late_first_tokens_cut_the_prefill_limit_before_their_answers_end(
         release.set()
         for events in await asyncio.gather(*streams):
             assert events[-1] == DONE
-
-
-def _sample(text: str, name: str, label: str) -> float:
-    """The sum of ``name``'s samples whose labels contain ``label``."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and label in line
-    )

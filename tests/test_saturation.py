@@ -64,7 +64,8 @@ async def test_sequential_traffic_teaches_no_limit_that_turns_away_the_next_burs
         lease.first_output(clock.now)
         clock.now += 0.31
         lease.release(clock.now)
-        admission.limits.learn(worker, 0.02, 0.01, 1, clock.now, lease.decode_load)
+        admission.limits.learn(worker, 0.01, clock.now, lease.decode_load)
+        admission.limits.first_token(worker, 0.02, 1, clock.now)
         admission.completed("standard", 0.33, 0.31, 31)
         clock.now += 0.01
     assert admission.limits.cap(worker) >= 64
@@ -246,12 +247,14 @@ def test_the_learnt_decode_line_lowers_an_untested_limit_but_light_traffic_does_
     # Sequential traffic: every stream ran alone. Nothing is known of how TPOT grows.
     for _ in range(50):
         worker.latency.observe_tpot(1.0, 0.03)
-        limits.learn(worker, 0.02, 0.03, 1, clock.now, 1.0)
+        limits.learn(worker, 0.03, clock.now, 1.0)
+        limits.first_token(worker, 0.02, 1, clock.now)
     assert limits.cap(worker) == 256
     # A worker whose pace does not depend on its batch (a fixed-timing worker): no bound.
     for load in range(1, 60):
         worker.latency.observe_tpot(float(load), 0.01)
-        limits.learn(worker, 0.02, 0.01, 1, clock.now, float(load))
+        limits.learn(worker, 0.01, clock.now, float(load))
+        limits.first_token(worker, 0.02, 1, clock.now)
     assert limits.cap(worker) == 256
     # Streams at 5-40 running, TPOT = 20 ms + 2 ms per running stream: 30 keep the 80 ms aim.
     admission, pool, _, _ = _controller(clock)
@@ -260,7 +263,8 @@ def test_the_learnt_decode_line_lowers_an_untested_limit_but_light_traffic_does_
         for load in range(5, 41, 5):
             tpot = 0.02 + 0.002 * load
             worker.latency.observe_tpot(float(load), tpot)
-            limits.learn(worker, 0.02, tpot, 1, clock.now, float(load))
+            limits.learn(worker, tpot, clock.now, float(load))
+            limits.first_token(worker, 0.02, 1, clock.now)
     assert limits.cap(worker) == pytest.approx(30, abs=2)
 
 
@@ -296,10 +300,11 @@ def test_every_lowering_of_a_limit_is_counted_under_its_cause() -> None:
     limits, worker = admission.limits, pool.workers["a:1"]
     worker.add_in_flight(20, clock.now)
     # Within the aim: nothing falls, nothing is counted.
-    limits.learn(worker, 0.05, 0.03, 1, clock.now, 20.0)
+    limits.learn(worker, 0.03, clock.now, 20.0)
+    limits.first_token(worker, 0.05, 1, clock.now)
     assert sum(_cuts(metrics, c) for c in LimitCut) == 0
     # A finished stream over the 100 ms TPOT target.
-    limits.learn(worker, None, 0.15, 1, clock.now, 20.0)
+    limits.learn(worker, 0.15, clock.now, 20.0)
     assert _cuts(metrics, "tpot_miss") == 1
     # The worker's running streams together slower than the target, a cooldown later and
     # once the load is under the first cut's limit.
@@ -308,11 +313,11 @@ def test_every_lowering_of_a_limit_is_counted_under_its_cause() -> None:
     limits.paced(worker, 0.2, clock.now)
     assert _cuts(metrics, "decode_pace") == 1
     # The worker's own first token far over its 0.5 s share of the TTFT target.
-    limits.learn(worker, 2.0, None, 4, clock.now)
+    limits.first_token(worker, 2.0, 4, clock.now)
     assert _cuts(metrics, "ttft_miss") == 1
     # A decode line learnt over loads 5-40 (20 ms + 2 ms a stream) under a limit above 30.
     limits, worker, metrics = _lined(clock)
-    limits.learn(worker, None, 0.03, 1, clock.now, 5.0)
+    limits.learn(worker, 0.03, clock.now, 5.0)
     assert _cuts(metrics, "decode_line") == 1
     assert limits.cap(worker) == pytest.approx(30, abs=2)
     assert sum(_cuts(metrics, c) for c in LimitCut) == 1
@@ -328,7 +333,8 @@ def test_a_pace_flat_just_over_the_aim_is_not_bounded_by_the_prior() -> None:
     for i in range(30):
         load, tpot = 110.0 + 10 * i, 0.081
         worker.latency.observe_tpot(load, tpot)
-        limits.learn(worker, 0.02, tpot, 1, clock.now, load)
+        limits.learn(worker, tpot, clock.now, load)
+        limits.first_token(worker, 0.02, 1, clock.now)
     assert limits.cap(worker) == 256
 
 
@@ -344,14 +350,15 @@ def test_the_limits_keep_the_targets_of_the_tiers_that_have_requests() -> None:
     # 5 s. Streams at 150 ms a token and a worker's first token in 2 s meet them.
     limits.arrived(standard, clock.now)
     assert limits.targets(clock.now) == (0.2, 5.0)
-    limits.learn(worker, 2.0, 0.15, 4, clock.now, 20.0)
+    limits.learn(worker, 0.15, clock.now, 20.0)
+    limits.first_token(worker, 2.0, 4, clock.now)
     limits.paced(worker, 0.15, clock.now)
     assert sum(_cuts(metrics, c) for c in LimitCut) == 0
     assert limits.cap(worker) == 256
     # An interactive request comes: 150 ms a token misses its 100 ms target.
     clock.now += 1
     limits.arrived(interactive, clock.now)
-    limits.learn(worker, None, 0.15, 1, clock.now, 20.0)
+    limits.learn(worker, 0.15, clock.now, 20.0)
     assert _cuts(metrics, "tpot_miss") == 1
     assert limits.cap(worker) < 20
     # A minute without interactive requests: standard's targets again.
@@ -369,11 +376,13 @@ def test_a_limit_below_the_learnt_decode_line_rises_to_it_once_its_cut_settled()
     worker.limit = ConcurrencyLimit(initial=256, maximum=256, settle_s=5.0)
     worker.limit.cut(6.7, clock.now)
     assert limits.cap(worker) == 6
-    limits.learn(worker, 0.02, 0.025, 1, clock.now + 1, 2.0)
+    limits.learn(worker, 0.025, clock.now + 1, 2.0)
+    limits.first_token(worker, 0.02, 1, clock.now + 1)
     assert limits.cap(worker) == 6  # the cut stands a while
     # Once it settled, the line says how many keep the aim: light traffic never runs at the
     # limit, and 2 x 80 / 25 ms projects only 6.
-    limits.learn(worker, 0.02, 0.025, 1, clock.now + 5, 2.0)
+    limits.learn(worker, 0.025, clock.now + 5, 2.0)
+    limits.first_token(worker, 0.02, 1, clock.now + 5)
     assert limits.cap(worker) == pytest.approx(30, abs=2)
 
 
@@ -389,17 +398,17 @@ def test_a_first_token_the_gateway_itself_read_late_does_not_cut_the_prefill_lim
     # over the share, so the worker is not blamed for it.
     for lag in (0.02, 0.1, 0.05):
         probe.observe(lag)
-    limits.learn(worker, 0.8, None, 16, clock.now)
+    limits.first_token(worker, 0.8, 16, clock.now)
     assert limits.prefill_cap(worker) == 16
     # Not for one 0.7 s over: that much is the worker's.
-    limits.learn(worker, 1.2, None, 16, clock.now)
+    limits.first_token(worker, 1.2, 16, clock.now)
     assert limits.prefill_cap(worker) < 16
     # Once the loop keeps time again (the last four ticks on time), a late first token is the
     # worker's.
     worker.prefill_limit = ConcurrencyLimit(initial=16, maximum=256)
     for _ in range(4):
         probe.observe(0.0005)
-    limits.learn(worker, 0.8, None, 16, clock.now)
+    limits.first_token(worker, 0.8, 16, clock.now)
     assert limits.prefill_cap(worker) < 16
 
 
@@ -409,11 +418,13 @@ def test_the_decode_line_does_not_cut_below_a_load_a_stream_kept_the_aim_at() ->
     limits, worker, metrics = _lined(clock)
     # Now a stream ran at 36 at 70 ms a token: the worker keeps the aim there, whatever the
     # line projects. The limit is not cut below the load it ran at.
-    limits.learn(worker, 0.2, 0.07, 1, clock.now, 36.0)
+    limits.learn(worker, 0.07, clock.now, 36.0)
+    limits.first_token(worker, 0.2, 1, clock.now)
     assert _cuts(metrics, "decode_line") == 1
     assert limits.cap(worker) == 36
     # A stream from the lighter load of seconds before still meets the line: down to 30.
-    limits.learn(worker, 0.2, 0.05, 1, clock.now, 12.0)
+    limits.learn(worker, 0.05, clock.now, 12.0)
+    limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == pytest.approx(30, abs=2)
 
 
@@ -424,11 +435,11 @@ def test_a_long_prompt_prefilled_alone_does_not_cut_the_prefill_limit() -> None:
     worker.prefill_limit = ConcurrencyLimit(initial=16, maximum=256)
     # The worker's share of the 1 s interactive TTFT target is 0.5 s. A prompt that alone
     # took 0.8 s to its first token is long; fewer prefills at once would not have sped it.
-    limits.learn(worker, 0.8, None, 1, clock.now)
+    limits.first_token(worker, 0.8, 1, clock.now)
     assert limits.prefill_cap(worker) == 16
     assert _cuts(metrics, "ttft_miss") == 0
     # Three prefilling together, one 0.8 s: the worker's prefill queue is too long.
-    limits.learn(worker, 0.8, None, 3, clock.now)
+    limits.first_token(worker, 0.8, 3, clock.now)
     assert limits.prefill_cap(worker) < 16
     assert _cuts(metrics, "ttft_miss") == 1
 
@@ -439,13 +450,15 @@ def test_once_a_miss_set_the_limit_the_decode_line_no_longer_lowers_it() -> None
     # 60 running, a stream at 110 ms a token over the 100 ms target: cut by 10% to 54.
     worker.limit = ConcurrencyLimit(initial=256, maximum=256)
     worker.add_in_flight(60, clock.now)
-    limits.learn(worker, 0.2, 0.11, 1, clock.now, 60.0)
+    limits.learn(worker, 0.11, clock.now, 60.0)
+    limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == 54
     assert _cuts(metrics, "tpot_miss") == 1
     # Streams from the lighter load of seconds before, within the aim: the line projects 30,
     # but nothing measured says 54 is too many. Only a measurement lowers a measured limit.
     clock.now += 2
-    limits.learn(worker, 0.2, 0.03, 1, clock.now, 12.0)
+    limits.learn(worker, 0.03, clock.now, 12.0)
+    limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == 54
     assert _cuts(metrics, "decode_line") == 0
     # The worker's live pace over the target is one.
@@ -468,7 +481,8 @@ def test_a_miss_cuts_from_the_load_it_was_measured_at_not_what_runs_as_it_ends()
     # A stream that decoded under a mean load of 20 at 110 ms a token, over the 100 ms
     # target, ends as the last of its batch: cut by 10% from 20, not from the 1 running.
     worker.limit = ConcurrencyLimit(initial=256, maximum=256)
-    limits.learn(worker, 0.2, 0.11, 1, clock.now, 20.0)
+    limits.learn(worker, 0.11, clock.now, 20.0)
+    limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == 18
     # The worker's pace: 10 streams at 150 ms a token, read when 100 gaps (1.5 s) say it is
     # over the target, while the gateway counts one running (the others another replica's,
@@ -496,8 +510,10 @@ def test_a_stream_within_the_aim_lifts_the_limit_no_further_than_the_decode_line
     clock.now += 6
     # A stream at a mean load of 12, 20 ms a token: in proportion, 48 would keep the aim,
     # but the line, which has seen what more streams cost, says 29 (with its prior).
-    limits.learn(worker, 0.2, 0.02, 1, clock.now, 12.0)
+    limits.learn(worker, 0.02, clock.now, 12.0)
+    limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == 29
     # A stream that kept the aim at 35 is a measurement: the limit rises past the line to it.
-    limits.learn(worker, 0.2, 0.07, 1, clock.now, 35.0)
+    limits.learn(worker, 0.07, clock.now, 35.0)
+    limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == 35
