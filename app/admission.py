@@ -114,7 +114,6 @@ class AdmissionController:
         workers: int = 1,
         now: float | None = None,
         reserving: bool = True,
-        pool_slots: float = math.inf,
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
@@ -128,8 +127,6 @@ class AdmissionController:
         tier is expected to need (:meth:`app.demand.TierDemand.kept_for_higher`) and one
         prefill slot are kept free for it, leaving a lower tier at least the last slot of an
         otherwise empty worker.
-        ``pool_slots`` is what all the workers may run (a tier expected to fill them is at
-        risk before it misses).
         """
         now = self._clock() if now is None else now
         limits = self.limits
@@ -147,7 +144,7 @@ class AdmissionController:
             if below:
                 cap = max(cap, min(limits.stretched_cap(worker), cap + below))
             demand = self.demand
-            kept = demand.kept_for_higher(tier, workers, above, now, pool_slots) if reserving else 0
+            kept = demand.kept_for_higher(tier, workers, above, now) if reserving else 0
             if kept:
                 cap -= min(cap - 1, kept)
                 prefill_cap -= min(prefill_cap - 1, 1)
@@ -171,7 +168,7 @@ class AdmissionController:
         slots = sum(self.limits.cap(w) for w in candidates)
         reserving = self._reserving(slots, now)
         full = frozenset(
-            w.label for w in candidates if self._full(w, ticket.tier, n, now, reserving, slots)
+            w.label for w in candidates if self._full(w, ticket.tier, n, now, reserving)
         )
         if len(full) == n:
             return None

@@ -34,8 +34,6 @@ _MIN_SPAN_S = 1.0
 _HELD_WEIGHT = 0.1
 # How long lower tiers yield after a higher tier had a request turned away.
 _SHORTAGE_S = 2.0
-# How long after a higher tier had a request turned away lower tiers keep slots free for it.
-_AT_RISK_S = 10.0
 _NOT_COMPUTED: tuple[float, dict[int, float]] = (-math.inf, {})
 WINDOWS_S = (_ACTIVE_S, *_SURGE_SPANS_S)
 """Every window arrivals are counted over: the long one, then the surge spans."""
@@ -213,38 +211,28 @@ class TierDemand:
         """
         return sum(self._expected(now, self._held_seen).values())
 
-    def kept_for_higher(
-        self,
-        tier: TierSpec,
-        workers: int,
-        running_above: int,
-        now: float,
-        pool_slots: float = math.inf,
-    ) -> int:
+    def kept_for_higher(self, tier: TierSpec, workers: int, running_above: int, now: float) -> int:
         """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.
 
-        Slots are kept only for a tier above that is at risk: it had a request turned away
-        (:meth:`short`) in the last ``_AT_RISK_S`` seconds, or its own expected slots
-        (:meth:`expected_slots`, plus two standard deviations for Poisson bursts) reach
-        ``pool_slots``, all the workers may run, so that any slot a lower tier takes is one
-        it will miss. Keeping them on expected demand alone held lower tiers back on a guess:
-        at 0.75x of capacity, under the limits a warm-up had left, standard requests were
-        refused while a worker ran 1-2 of its 7 slots and interactive requests never waited.
-        Zero when no tier above is at risk, else at least one: what the tiers at risk are
-        expected to hold, spread over ``workers``, plus two standard deviations, less
-        ``running_above``, what the tiers above hold on this worker now. Their next requests
-        then start at once instead of waiting for a lower tier's request to finish.
+        What the tiers above are expected to hold (:meth:`expected_slots`) over the whole pool,
+        plus two standard deviations of that total for Poisson bursts, spread over
+        ``workers``, less ``running_above``, what they hold on this worker now; at least one
+        while any tier above had a request in the window, zero when none did. Their next
+        requests then start at once instead of waiting for a lower tier's request to finish.
+
+        Kept for as long as they are expected, not only after a higher tier had a request
+        turned away: kept for 10 s after each refusal, lower tiers filled the workers the
+        moment it lapsed and the interactive streams running beside them went over their TPOT
+        target (3x capacity, ``make bench-admission``'s workers). The margin is the pool's:
+        routing sends a request to any worker with room, so the bursts to allow for are those
+        of all the tiers' arrivals together, whose standard deviation is the square root of
+        their total, not the sum of one per worker (which, at about 17 interactive slots over
+        two workers, kept 30 where 26 cover the same bursts).
         """
-        since = now - _AT_RISK_S
-        higher = [
-            slots
-            for p, slots in self.expected_slots(now).items()
-            if p < tier.priority
-            and (self._short_at.get(p, -math.inf) >= since or _with_margin(slots) >= pool_slots)
-        ]
+        higher = [slots for p, slots in self.expected_slots(now).items() if p < tier.priority]
         if not higher:
             return 0
-        needed = math.ceil(_with_margin(sum(higher) / max(workers, 1)))
+        needed = math.ceil(_with_margin(sum(higher)) / max(workers, 1))
         return max(1, needed - running_above)
 
 

@@ -154,12 +154,11 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     assert not admission._full(worker, interactive)
     worker.prefilling = 2
     assert not admission._full(worker)
-    # Below the top tier, one prefill slot stays free for it, once it is at risk: it had a
-    # request turned away in the last 10 s.
-    assert not admission._full(worker, batch)
-    admission.demand.short(interactive.priority, clock.now)
+    # Below the top tier, one prefill slot stays free for it while it has requests (and the
+    # pool is expected to saturate: ``_full`` is asked as if it were).
     assert not admission._full(worker, interactive)
     assert admission._full(worker, batch)
+    assert not admission._full(worker, batch, reserving=False)
     # With one interactive arrival and nothing finished yet, one running slot is kept for it.
     worker.prefilling = 0
     worker.in_flight = 8
@@ -176,7 +175,7 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
 
 def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None:
     """Little's law: arrival rate x how long a request holds a slot, plus two standard
-    deviations, per worker; what the higher tiers do not hold already is kept free."""
+    deviations, over the pool; what the higher tiers do not hold already is kept free."""
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock)
     worker = pool.workers["a:1"]
@@ -192,11 +191,6 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     admission.completed("interactive", 4.0)
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
-    # Nothing is kept on expected demand alone, only for a tier measured at risk: one that
-    # had a request turned away in the last 10 s.
-    worker.in_flight = 19
-    assert not admission._full(worker, batch)
-    admission.demand.short(interactive.priority, clock.now)
     for tier in (batch, standard):
         worker.in_flight = 10
         assert not admission._full(worker, tier)
@@ -209,11 +203,12 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     assert not admission._full(worker, batch)
     worker.in_flight = 16
     assert admission._full(worker, batch)
-    # Spread over two workers: 2.22 expected per worker, + 2 x sqrt(2.22) -> 6 kept.
+    # Spread over two workers: the bursts are the pool's, 4.44 + 2 x sqrt(4.44) = 8.66 slots,
+    # 5 a worker (two standard deviations a worker would have kept 6).
     worker.tier_in_flight["interactive"] = 0
-    worker.in_flight = 13
-    assert not admission._full(worker, batch, workers=2)
     worker.in_flight = 14
+    assert not admission._full(worker, batch, workers=2)
+    worker.in_flight = 15
     assert admission._full(worker, batch, workers=2)
     # A surge (9 more in the last instant) is seen at once: 18/s x 4 s = 72 expected, more
     # than the worker has; a lower tier only gets the last slot of an otherwise empty worker.
@@ -260,25 +255,32 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
-def test_a_tier_that_alone_would_fill_the_pool_is_at_risk_before_it_misses() -> None:
-    """Slots are kept for a tier that had a request turned away, or whose own arrivals are
-    expected to take every slot the workers may run: then any slot a lower tier takes is one
-    it will miss."""
+def test_slots_stay_kept_while_a_higher_tier_is_expected_not_only_after_a_refusal() -> None:
+    """Kept only for 10 s after a higher tier's refusal, the slots went to lower tiers the moment
+    that lapsed, and the higher tier's streams beside them missed their TPOT target."""
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock)
     worker = pool.workers["a:1"]
     worker.limit.value = 20
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     admission.completed("interactive", 4.0)
-    # 2/s for 10 s, 4 s each: 8.2 slots expected, 13.9 with two standard deviations: short of
-    # the worker's 20, and interactive has had nothing turned away, so nothing is kept.
+    # 2/s for 10 s, 4 s each: 8.2 slots expected, 13.9 with two standard deviations. Nothing of
+    # interactive was ever turned away, and 14 slots are kept: batch stops at 6.
     _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
-    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now, pool_slots=20) == 0
-    # 4/s: 16.4 expected, 24.5 with the margin, more than the 20 slots: at risk, all kept.
-    clock.now += 10.0
-    _arrive(admission, [(clock.now - 9.75 + t / 4, interactive.priority) for t in range(40)])
-    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now, pool_slots=20) == 25
-    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 0
+    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 14
+    worker.in_flight = 5
+    assert not admission._full(worker, batch)
+    worker.in_flight = 6
+    assert admission._full(worker, batch)
+    # A refusal 10 s ago changes nothing either way, while the arrivals go on.
+    admission.demand.short(interactive.priority, clock.now)
+    clock.now += 10.5
+    _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
+    assert admission._full(worker, batch)
+    # Once interactive stops arriving, nothing is kept.
+    clock.now += 10.5
+    worker.in_flight = 19
+    assert not admission._full(worker, batch)
 
 
 def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_load() -> None:
