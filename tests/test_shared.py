@@ -239,9 +239,7 @@ async def test_arrivals_elsewhere_keep_slots_for_a_higher_tier_here(
     for _ in range(20):
         b.demand.arrived(tiers["interactive"].priority, now)
         b.demand.held(tiers["interactive"].priority, 2.0, 0.0, 0.0)
-    # Interactive is at risk here (a turned one away), but without the fleet's arrivals a
-    # keeps nothing for interactive requests it never sees.
-    a.demand.short(tiers["interactive"].priority, now)
+    # Without the fleet's arrivals a keeps nothing for interactive requests it never sees.
     assert a.demand.kept_for_higher(tiers["batch"], 1, 0, now) == 0
     await b.sync()
     await a.sync()
