@@ -163,6 +163,7 @@ _SAMPLED = (
     "gateway_queue_depth",
     "gateway_in_flight_requests",
     "gateway_worker_limit_cuts_total",
+    "gateway_worker_decode_pace_seconds",
 )
 
 
