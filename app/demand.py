@@ -20,8 +20,9 @@ from app.timing import Clock
 _ACTIVE_S = 10.0
 # Recent spans whose arrival rate counts when it is higher than the window's: a surge is read
 # within half a second instead of over two, while the slots handed to lower tiers meanwhile
-# would stay taken until their requests finish.
-_SURGE_SPANS_S = (0.5, 1.0, 2.0)
+# would stay taken until their requests finish. The longer spans keep a surge read as one
+# until it fills the window (see TierDemand.expected_slots).
+_SURGE_SPANS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 # The fewest arrivals in a surge span that say anything (one alone is no rate).
 _SURGE_MIN_ARRIVALS = 3
 # How many standard deviations (Poisson) a surge span's count must stand above what the window's
@@ -163,10 +164,11 @@ class TierDemand:
         Little's law: arrival rate x how long one of its requests holds a slot. The rate is the
         last ``_ACTIVE_S`` seconds' (over the span actually observed, at least ``_MIN_SPAN_S``),
         or the rate of one of the last ``_SURGE_SPANS_S`` when that is higher and cannot be
-        chance: the span saw at least ``_SURGE_MIN_ARRIVALS`` arrivals of the tier (or of all
-        tiers together, shared out by the tier's part of the window's arrivals), ``_SURGE_Z``
-        standard deviations more than the window's rate brings in such a span. The long window
-        alone would read the first seconds of a surge as the trickle before it. The rates are
+        chance: the span saw at least ``_SURGE_MIN_ARRIVALS`` arrivals of the tier, ``_SURGE_Z``
+        standard deviations more than the window's rate brings in such a span; or, over spans of
+        at least ``_MIN_SPAN_S``, all tiers' arrivals together (shared out by each tier's part of
+        the window's arrivals) stood that far above the rate of the rest of the window. The long
+        window alone would read the first seconds of a surge as the trickle before it. The rates are
         computed once per ``now`` (a dispatch pass asks for every queued request and every
         worker) and again after an arrival. The hold is counted at the TPOT aim (:meth:`held`).
         """
@@ -197,8 +199,17 @@ class TierDemand:
                         rates[priority] = max(rates[priority], count / window.span)
                 # All tiers' arrivals, shared out by each tier's part of the window: a surge of
                 # every tier shows in the total three times sooner than in a 30% tier's own.
+                # Judged against the rest of the window, before the span: a window that holds
+                # the surge's own first seconds takes it for the usual rate (seen: a step from
+                # 3.5 to 10.5 a second was read as a rate climbing 0.7 a second, reaching the
+                # surge's only once it filled the window, ten seconds late).
+                before = span - window.span
                 pooled = sum(latest.values())
-                if _surge(pooled, total / span * window.span):
+                if (
+                    window.span >= _MIN_SPAN_S
+                    and before >= _MIN_SPAN_S
+                    and _surge(pooled, (total - pooled) / before * window.span)
+                ):
                     for priority, share in shares.items():
                         rates[priority] = max(rates[priority], pooled / window.span * share)
         self._rates = (now, rates)

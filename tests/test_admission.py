@@ -414,12 +414,29 @@ def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -
         _arrive(admission, [(at, top), (at, middle), (at + 0.25, middle)])
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(10 / 9.6 * 4)
     # Every tier surges: 9 arrivals in the last 0.3 s, only two of them top. Two alone say
-    # nothing, but all nine say 18/s, of which the top tier's part is its share of the 10-s
-    # window's arrivals, 12 of 39: 18 x 12 / 39 per second, each holding 4 s.
+    # nothing, but with the three quiet ones before them all tiers brought 12 in the last
+    # second, against 27 in the 8.9 s before it (3/s): 12/s, of which the top tier's part is
+    # its share of the 10-s window's arrivals, 12 of 39: 12 x 12 / 39 per second, each
+    # holding 4 s.
     clock.now += 0.3
     surge = [top, middle, middle, middle, top, middle, middle, middle, middle]
     _arrive(admission, [(clock.now - 0.3 + 0.03 * i, p) for i, p in enumerate(surge)])
-    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(9 / 0.5 * 12 / 39 * 4)
+    assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(12 / 1 * 12 / 39 * 4)
+
+
+def test_a_lasting_surge_is_read_at_its_own_rate_not_blended_with_the_window() -> None:
+    clock = FakeClock()
+    admission, _, _, _ = _controller(clock)
+    admission.completed("interactive", 4.0)  # its requests hold a slot 4 s
+    top, middle = 0, 1
+    # Ten quiet seconds at 3/s (a third of them top), then three at 9/s.
+    quiet = [(clock.now - 13 + t / 3, top if t % 3 == 0 else middle) for t in range(30)]
+    surge = [(clock.now - 3 + t / 9, top if t % 3 == 0 else middle) for t in range(27)]
+    _arrive(admission, quiet + surge)
+    # The 10-s window alone says 48 arrivals (7 s quiet, 3 s of surge): 4.8/s. The last 4 s
+    # brought 30 against 18 in the 6 s before them (3/s, 12 expected): 7.5/s, a third top.
+    rate = admission.demand.expected_slots(clock.now)[top] / 4
+    assert rate == pytest.approx(30 / 4 * 16 / 48)
 
 
 def test_concurrency_limit_never_leaves_its_bounds() -> None:
