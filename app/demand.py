@@ -200,9 +200,9 @@ class TierDemand:
                 # All tiers' arrivals, shared out by each tier's part of the window: a surge of
                 # every tier shows in the total three times sooner than in a 30% tier's own.
                 # Judged against the rest of the window, before the span: a window that holds
-                # the surge's own first seconds takes it for the usual rate (seen: a step from
-                # 3.5 to 10.5 a second was read as a rate climbing 0.7 a second, reaching the
-                # surge's only once it filled the window, ten seconds late).
+                # the surge's own first seconds takes them for the usual rate, and a lasting
+                # step up reads as a slow climb that reaches the new rate only once it fills
+                # the window (docs/admission.md).
                 before = span - window.span
                 pooled = sum(latest.values())
                 if (
