@@ -49,8 +49,8 @@ class ConcurrencyLimit:
     """Additive-increase / multiplicative-decrease limit on one worker's running requests."""
 
     __slots__ = (
-        "_cooldown", "_decrease", "_last_cut", "_settle", "maximum", "measured", "minimum",
-        "value",
+        "_cooldown", "_decrease", "_draining", "_last_cut", "_settle", "maximum", "measured",
+        "minimum", "value",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +69,7 @@ class ConcurrencyLimit:
         self._cooldown = cooldown_s
         self._settle = settle_s
         self._last_cut = -math.inf
+        self._draining = False
         self.measured = False
         """Whether a measurement lowered the limit: a miss, the live pace, the worker queueing."""
 
@@ -87,12 +88,18 @@ class ConcurrencyLimit:
         cutting it alone left the batch as it was. ``over`` is latency / target: the cut is
         ``decrease``, or 1 / ``over`` when deeper (at most to a half).
 
-        Not while more run than an earlier cut left room for: that cut has not taken effect
-        yet (nothing is admitted until the excess drains), and the misses seen meanwhile are
-        the excess's. Cutting on them again took a worker settling near 25 down to 2 after a
-        surge, and turned requests away for the ten seconds it took to grow back.
+        Not while more run than the last cut left room for and they have not drained to it
+        since: that cut has not taken effect yet (nothing is admitted until the excess
+        drains), and the misses seen meanwhile are the excess's. Cutting on them again took a
+        worker settling near 25 down to 2 after a surge, and turned requests away for the ten
+        seconds it took to grow back. Once drained, more may run again (a tier borrows past
+        the limit, :meth:`app.limits.Limits.stretched_cap`), and their misses cut: skipped
+        for as long as more ran than the limit, they left a limit standing through the very
+        overloads borrowing let in.
         """
-        if math.isfinite(self._last_cut) and in_flight > self.value:
+        if in_flight <= self.value:
+            self._draining = False
+        elif self._draining:
             return False
         if now - self._last_cut < self._cooldown:
             return False
@@ -100,6 +107,7 @@ class ConcurrencyLimit:
         factor = min(self._decrease, max(_DEEPEST_CUT, 1.0 / over if over > 0 else 1.0))
         self.value = max(self.minimum, min(self.value, in_flight) * factor)
         self._last_cut = now
+        self._draining = True
         self.measured = True
         return self.value < before
 
@@ -135,6 +143,7 @@ class ConcurrencyLimit:
         before = self.value
         self.value = max(self.minimum, to)
         self._last_cut = now
+        self._draining = True
         return self.value < before
 
     def on_result(
@@ -157,6 +166,8 @@ class ConcurrencyLimit:
         (which on a compute-bound worker gave up throughput for no SLO gain).
         Returns whether the limit fell (only a miss lowers it).
         """
+        if in_flight <= self.value:
+            self._draining = False  # the excess over the last cut has drained
         if latency > target:
             # The miss happened at the load it ran under, however few run as it ends.
             return self.cut(

@@ -478,7 +478,7 @@ def test_a_miss_cuts_from_what_runs_when_that_is_below_the_limit() -> None:
     # 20 running under a limit of 30 missed: cutting 30 to 27 would hold nothing back.
     limit.cut(20, 0.0)
     assert limit.limit == 18
-    limit.cut(5, 0.5)  # within the cooldown: the same overload, seen again
+    limit.cut(25, 0.5)  # within the cooldown: the same overload, seen again
     assert limit.limit == 18
     # More running than the last cut left room for: that cut has not taken effect yet (the
     # excess is draining), so the misses of the excess cut nothing more.
@@ -488,6 +488,11 @@ def test_a_miss_cuts_from_what_runs_when_that_is_below_the_limit() -> None:
     assert limit.limit == 18
     limit.cut(18, 3.0)  # down to the limit and still missing: cut again, from the limit
     assert limit.limit == 16
+    # Drained to the limit (a stream ends with 15 running), then borrowed past it again
+    # (higher tiers over lower tiers' slots): a miss now is the new load's, and cuts.
+    limit.on_result(0.09, 0.08, 0.1, 15, 4.0)
+    limit.cut(20, 5.0)
+    assert limit.limit == 14  # from the limit, 16 x 0.9
     # Before any cut, a limit below what runs (other replicas' requests) is cut from itself.
     fresh = ConcurrencyLimit(initial=20, maximum=40)
     fresh.cut(30, 0.0)
