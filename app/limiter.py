@@ -97,9 +97,8 @@ class ConcurrencyLimit:
         for as long as more ran than the limit, they left a limit standing through the very
         overloads borrowing let in.
         """
-        if in_flight <= self.value:
-            self._draining = False
-        elif self._draining:
+        self._observe(in_flight)
+        if self._draining:
             return False
         if now - self._last_cut < self._cooldown:
             return False
@@ -139,6 +138,11 @@ class ConcurrencyLimit:
             return False
         return self._lower(to, now)
 
+    def _observe(self, in_flight: float) -> None:
+        """``in_flight`` run now: at or under the limit, the excess over the last cut drained."""
+        if in_flight <= self.value:
+            self._draining = False
+
     def _lower(self, to: float, now: float) -> bool:
         before = self.value
         self.value = max(self.minimum, to)
@@ -166,8 +170,7 @@ class ConcurrencyLimit:
         (which on a compute-bound worker gave up throughput for no SLO gain).
         Returns whether the limit fell (only a miss lowers it).
         """
-        if in_flight <= self.value:
-            self._draining = False  # the excess over the last cut has drained
+        self._observe(in_flight)
         if latency > target:
             # The miss happened at the load it ran under, however few run as it ends.
             return self.cut(
