@@ -16,7 +16,7 @@ class Lease:
     """One attempt's slot on ``choice.worker``: in flight, prefilling, tokens ahead, per tier."""
 
     __slots__ = (
-        "_metrics", "choice", "decode_load", "dispatched", "first", "first_occupancy",
+        "_metrics", "choice", "decode_load", "dispatched", "first", "first_occupancy", "gaps",
         "own_tokens", "prefill_peers", "released", "tier", "worker",
     )  # fmt: skip
 
@@ -32,6 +32,8 @@ class Lease:
         """When the request left for the worker (the relay moves it to the actual send)."""
         self.first: float | None = None
         self.first_occupancy = 0.0
+        self.gaps = 0
+        """Output events after the first, each one gap of the worker's pace."""
         self.decode_load: float | None = None
         """Mean requests on the worker from first output to the end, this one included."""
         self.released = False
@@ -59,6 +61,18 @@ class Lease:
         worker.prefilling -= 1
         return True
 
+    def output_gap(self, gap: float, at: float) -> float | None:
+        """A later output event came ``gap`` after the previous one, at ``at``.
+
+        Returns the worker's pace reading if this gap closes a window
+        (:meth:`app.limiter.DecodePace.gap`). The stream counts as decoding from its first gap.
+        """
+        pace = self.worker.pace
+        if self.gaps == 0 and self.first is not None:
+            pace.started(self.first)
+        self.gaps += 1
+        return pace.gap(gap, at)
+
     def decoded(self, now: float, events: int) -> tuple[float, float]:
         """``(seconds, tokens)`` of decode after the first of the ``events`` with output."""
         if self.first is None or events < 2:
@@ -73,6 +87,8 @@ class Lease:
         worker = self.worker
         if self.first is not None and now > self.first:
             self.decode_load = (worker.occupancy(now) - self.first_occupancy) / (now - self.first)
+        if self.gaps and self.first is not None:
+            worker.pace.ended(self.first, self.gaps)
         worker.add_in_flight(-1, now)
         worker.tier_in_flight[self.tier] -= 1
         if self.first is None:

@@ -199,11 +199,14 @@ class DecodePace:
     arrivals pushed single readings over the target while whole streams kept within it, and
     the cuts cost more requests turned away than the misses they saved. An event may carry
     several tokens (speculative decoding, stream intervals): gaps are per token at the ratio
-    learnt from finished streams.
+    learnt from finished streams. It also keeps where the streams running now stand on their
+    own TPOT (:meth:`so_far`), which a reading must miss too to cut
+    (:meth:`app.limits.Limits.paced`).
     """
 
     __slots__ = (
-        "_count", "_min_gaps", "_since", "_sum", "_window", "alarm", "load", "tokens_per_event",
+        "_count", "_live", "_live_first", "_live_gaps", "_min_gaps", "_since", "_sum", "_window",
+        "alarm", "load", "tokens_per_event",
     )  # fmt: skip
 
     def __init__(self, window_s: float = 3.0, min_gaps: int = 20) -> None:
@@ -217,6 +220,11 @@ class DecodePace:
         """A pace per token so slow that a window closes early on it (see :meth:`gap`)."""
         self.load = 0.0
         """How many streams ran, on average, over the window of the latest reading."""
+        # The streams decoding now: how many, the sum of their first outputs' times and
+        # their gaps since. Kept as sums so that reading them costs nothing per stream.
+        self._live = 0
+        self._live_first = 0.0
+        self._live_gaps = 0
 
     def gap(self, seconds: float, now: float) -> float | None:
         """Add one stream's gap since its previous output event, received at ``now``.
@@ -229,6 +237,7 @@ class DecodePace:
         """
         self._sum += seconds
         self._count += 1
+        self._live_gaps += 1
         elapsed = now - self._since
         if elapsed < self._window and not (
             elapsed >= self._window / 3
@@ -246,6 +255,30 @@ class DecodePace:
         self._sum = 0.0
         self._count = 0
         return reading
+
+    def started(self, first: float) -> None:
+        """A stream whose first output came at ``first`` has its first gap: it decodes."""
+        self._live += 1
+        self._live_first += first
+
+    def ended(self, first: float, gaps: int) -> None:
+        """A decoding stream (first output at ``first``, ``gaps`` gaps since) ended."""
+        self._live -= 1
+        self._live_first -= first
+        self._live_gaps -= gaps
+        if self._live <= 0:  # exact again, whatever rounding the sums gathered
+            self._live, self._live_first, self._live_gaps = 0, 0.0, 0
+
+    def so_far(self, now: float) -> float | None:
+        """The decoding streams' TPOT so far, pooled (None with fewer than ``min_gaps`` gaps).
+
+        Their time since their first outputs (the gap each is in now included) over the tokens
+        they have had since. A stream's TPOT, what the target measures, is its mean pace over
+        its life: this is where the streams running now stand on it.
+        """
+        if self._live <= 0 or self._live_gaps < self._min_gaps:
+            return None
+        return (self._live * now - self._live_first) / self._live_gaps / self.tokens_per_event
 
     def observe_stream(self, tokens: int, events: int) -> None:
         """Learn tokens per output event from a finished stream."""

@@ -192,11 +192,16 @@ class Limits:
 
         Slower than the TPOT target (:meth:`targets`): the batch has outgrown it now, so the
         running limit is cut at once (from what runs there) instead of when the streams that
-        live through it end, seconds later (:class:`app.limiter.DecodePace`).
+        live through it end, seconds later (:class:`app.limiter.DecodePace`). Only if the
+        running streams' TPOT so far misses the target too: a stream's TPOT is its mean over
+        its life, and streams that ran for seconds absorb a window of a few prefill stalls.
         """
         self._metrics.worker_decode_pace.labels(worker.label).set(pace_s)
         target, _ = self.targets(now)
         if target is not None and pace_s > target:
+            so_far = worker.pace.so_far(now)
+            if so_far is not None and so_far <= target:
+                return
             # From the load the reading is of: the window may close as the batch it measured
             # has drained (seen: a window of a surge's end closed by the next request's first
             # gap, with one running, cut a worker to 1).

@@ -304,10 +304,9 @@ class Relay(Response):
 
     def _output_gap(self, lease: Lease, gap: float, at: float) -> None:
         """A later output event came ``gap`` seconds after the previous one, at ``at``."""
-        worker = lease.worker
-        pace = worker.pace.gap(gap, at)
+        pace = lease.output_gap(gap, at)
         if pace is not None:
-            self._deps.admission.limits.paced(worker, pace, at)
+            self._deps.admission.limits.paced(lease.worker, pace, at)
 
     async def _stream_once(self, send: Send, lease: Lease) -> None:
         deps, timer, request = self._deps, self._timer, self._request

@@ -895,3 +895,20 @@ def test_slo_results_and_goodput_ratio() -> None:
     assert sample("gateway_goodput_tokens_total", {"model": MODEL, "tier": "interactive"}) == 40
     assert sample("gateway_tier_slo_ttft_seconds", {"tier": "interactive"}) == 1.0
     assert sample("gateway_tier_slo_tpot_seconds", {"tier": "batch"}) is None
+
+
+def test_decode_pace_pools_the_running_streams_tpot_so_far() -> None:
+    pace = DecodePace(min_gaps=4)
+    assert pace.so_far(1.0) is None  # nothing decodes
+    pace.started(0.0)
+    pace.started(1.0)
+    for at in (0.1, 0.2, 1.1, 1.2, 1.3):
+        pace.gap(0.1, at)
+    # 2 s (0 to 2) and 1 s (1 to 2) of decode over 5 tokens, the open gaps included.
+    assert pace.so_far(2.0) == pytest.approx(3.0 / 5)
+    pace.ended(0.0, 2)
+    assert pace.so_far(2.0) is None  # 3 gaps left: too few to say
+    pace.gap(0.1, 2.0)
+    assert pace.so_far(2.0) == pytest.approx(1.0 / 4)
+    pace.ended(1.0, 4)
+    assert pace.so_far(2.0) is None

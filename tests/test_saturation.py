@@ -517,3 +517,46 @@ def test_a_stream_within_the_aim_lifts_the_limit_no_further_than_the_decode_line
     limits.learn(worker, 0.07, clock.now, 35.0)
     limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == 35
+
+
+async def test_a_slow_pace_window_cuts_only_when_the_streams_own_tpot_so_far_misses() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    leases = [
+        (await admission.admit(_ticket(settings, clock, "interactive", 300)))[0] for _ in range(10)
+    ]
+    clock.now += 0.3
+    for lease in leases:
+        lease.first_output(clock.now)
+
+    def decode(gaps: int, gap: float) -> None:
+        for _ in range(gaps):
+            clock.now += gap
+            for lease in leases:
+                lease.output_gap(gap, clock.now)
+
+    # 3 s at 50 ms a token, then a 1.2-s prefill stall at 300 ms: a window over the 100 ms
+    # target, while each stream stands at 4.2 s over 64 tokens (66 ms) on its own TPOT.
+    decode(60, 0.05)
+    decode(4, 0.3)
+    assert worker.pace.so_far(clock.now) == pytest.approx(4.2 / 64)
+    limits.paced(worker, 0.3, clock.now)
+    assert _cuts(metrics, "decode_pace") == 0
+    assert limits.cap(worker) == 256
+    # The same stall on streams that have just begun: their TPOT so far (240 ms) misses.
+    for lease in leases:
+        lease.release(clock.now)
+    assert worker.pace.so_far(clock.now) is None
+    leases = [
+        (await admission.admit(_ticket(settings, clock, "interactive", 300)))[0] for _ in range(10)
+    ]
+    clock.now += 0.3
+    for lease in leases:
+        lease.first_output(clock.now)
+    decode(1, 0.05)
+    decode(4, 0.3)
+    assert worker.pace.so_far(clock.now) == pytest.approx(1.25 / 5)
+    limits.paced(worker, 0.3, clock.now)
+    assert _cuts(metrics, "decode_pace") == 1
+    assert limits.cap(worker) == 5  # 10 running x 100 / 300 ms, at most halved
