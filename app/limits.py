@@ -30,10 +30,11 @@ class Limits:
     The running limit follows TPOT against the strictest TPOT target of the tiers in play
     (:meth:`targets`). The prefill limit follows the worker's own part of TTFT (dispatch to
     first token) against half their strictest TTFT target, the other half being left for the
-    wait in the queue: requests dispatched into vLLM wait there first come, first served, so
+    wait in the queue: requests dispatched into vLLM wait there in arrival order (by tier too
+    with its priority scheduling, but never turned away, nor given up on at a deadline), so
     under load the gateway keeps the worker's prefill queue short and the backlog in its own
-    queue, where tiers apply. Each grows while latencies are within the target times the
-    headroom (the aim) and is cut when one is over the target.
+    queue, where tiers and deadlines apply. Each grows while latencies are within the target
+    times the headroom (the aim) and is cut when one is over the target.
     """
 
     def __init__(

@@ -101,6 +101,12 @@ class Endpoint(StrEnum):
         return _SPECS[self].cost is not Cost.NONE
 
     @property
+    def prioritised(self) -> bool:
+        """Whether vLLM reads a ``priority`` from its requests: every JSON engine endpoint."""
+        spec = _SPECS[self]
+        return not spec.form and spec.cost is not Cost.NONE
+
+    @property
     def chunks(self) -> bool:
         """Whether its answers are chat or text completions (``system_fingerprint``, usage)."""
         return self is Endpoint.CHAT or self is Endpoint.COMPLETIONS
@@ -260,21 +266,32 @@ class ParsedRequest:
         # every other stream goes to the client exactly as the worker sent it.
         self.wants_usage = not endpoint.chunks or bool(opts is not None and opts.include_usage)
 
-    def upstream_body(self) -> bytes:
-        """The body to send the worker: the client's own bytes, unless usage must be asked for.
+    def upstream_body(self, priority: int | None = None) -> bytes:
+        """The body to send the worker: the client's own bytes, unless something must change.
 
         The gateway needs ``usage`` to count tokens. When a streaming client did not ask for it,
         the worker is asked for the final usage chunk only (``include_usage``, and never
         ``continuous_usage_stats``, which vLLM honours only together with ``include_usage``);
         the relay then gives the client the stream vLLM would have sent it
-        (:mod:`app.relay`). An upload (:attr:`upload`) goes as it came, instead.
+        (:mod:`app.relay`). ``priority`` is vLLM's for the request's tier
+        (:meth:`app.settings.Settings.worker_priority_of`; None: left as the client sent it):
+        a client's own ``priority`` may put its request later, never earlier, as its
+        ``x-gateway-tier`` may only lower its tier. An upload (:attr:`upload`) goes as it came.
         """
-        if not self.stream or self.wants_usage:
+        changes: dict[str, Any] = {}
+        if self.stream and not self.wants_usage:
+            opts = dict(self.body.get("stream_options") or {})
+            opts["include_usage"] = True
+            opts.pop("continuous_usage_stats", None)
+            changes["stream_options"] = opts
+        if priority is not None and self.endpoint.prioritised:
+            own = self.body.get("priority")
+            # Not an integer: the worker refuses it with its own 400, naming the field.
+            if (own is None and priority != 0) or (type(own) is int and own < priority):
+                changes["priority"] = priority
+        if not changes:
             return self.raw
-        opts = dict(self.body.get("stream_options") or {})
-        opts["include_usage"] = True
-        opts.pop("continuous_usage_stats", None)
-        body = {**self.body, "stream_options": opts}
+        body = {**self.body, **changes}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 

@@ -504,7 +504,10 @@ class Relay(Response):
     @functools.cached_property
     def _upstream_body(self) -> bytes | Upload:
         upload = self._request.upload
-        return upload if upload is not None else self._request.upstream_body()
+        if upload is not None:
+            return upload
+        tier = self._ctx.identity.tier
+        return self._request.upstream_body(self._deps.settings.worker_priority_of(tier))
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True

@@ -315,6 +315,12 @@ class Settings(BaseSettings):
     admission: bool = Field(
         default=True, description="SLO-aware admission; false relays everything at once."
     )
+    worker_priority: bool = Field(
+        default=True,
+        description="Send each request's tier to the worker as vLLM's `priority` (the default "
+        "tier's is 0, higher tiers' lower): a worker run with `--scheduling-policy priority` "
+        "orders its waiting requests and its preemptions by it; others ignore it.",
+    )
     max_queue_length: int = Field(default=1024, ge=0, description="Admission queue bound.")
     ttft_headroom: float = Field(
         default=0.8,
@@ -436,6 +442,17 @@ class Settings(BaseSettings):
         if not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         return value
+
+    def worker_priority_of(self, tier: TierSpec) -> int | None:
+        """The ``priority`` vLLM is sent for ``tier``'s requests (None: ``worker_priority`` off).
+
+        Relative to the default tier's, so that without API keys every request keeps vLLM's
+        default of 0 and its body goes to the worker as the client sent it.
+        """
+        if not self.worker_priority:
+            return None
+        default = next(t for t in self.tiers if t.name == self.default_tier)
+        return tier.priority - default.priority
 
     @property
     def strictest_tpot_s(self) -> float | None:

@@ -238,6 +238,10 @@ class VllmWorker:
             # The engine counts its estimated FLOPs and bytes (vllm:estimated_*_per_gpu_total),
             # which the Workers dashboard's MFU and MBU divide by the worker's peaks.
             "--enable-mfu-metrics",
+            # Waiting requests start, and preemptions fall, in the order of the priority the
+            # gateway sends for each request's tier.
+            "--scheduling-policy",
+            "priority",
             *self.extra_args,
         ]
 

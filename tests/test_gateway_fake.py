@@ -632,3 +632,37 @@ async def test_late_first_tokens_cut_the_prefill_limit_before_their_answers_end(
         release.set()
         for events in await asyncio.gather(*streams):
             assert events[-1] == DONE
+
+
+async def test_the_tier_goes_to_the_worker_as_vllms_priority() -> None:
+    """vLLM's ``priority`` carries the tier, relative to the default tier (standard) whose
+    requests go as the client sent them, byte for byte; a client's own ``priority`` may put
+    its request later, never earlier; with ``worker_priority`` off nothing is added."""
+    keys = {"interactive": "sk-chat-app", "standard": "sk-backend"}
+    specs = [
+        {"sha256": hashlib.sha256(k.encode()).hexdigest(), "name": t, "tier": t}
+        for t, k in keys.items()
+    ]
+
+    async def sent(settings_extra: dict[str, Any], tier: str, **body: Any) -> Any:
+        worker = FakeWorker(_ok)
+        settings = settings_for(WORKER, api_keys=specs, **settings_extra)
+        headers = {"authorization": f"Bearer {keys['standard' if tier == 'batch' else tier]}"}
+        if tier == "batch":
+            headers["x-gateway-tier"] = "batch"
+        raw = json.dumps(_chat(stream=False, **body)).encode()
+        async with running_gateway(settings, worker.transport) as url:
+            async with httpx.AsyncClient(base_url=url) as client:
+                answer = await client.post("/v1/chat/completions", content=raw, headers=headers)
+        assert answer.status_code == 200, answer.text
+        ((_, received),) = worker.received
+        return "as sent" if received == raw else json.loads(received)["priority"]
+
+    assert await sent({}, "standard") == "as sent"
+    assert await sent({}, "interactive") == -1
+    assert await sent({}, "batch") == 1
+    assert await sent({}, "interactive", priority=3) == "as sent"  # later: the client's own
+    assert await sent({}, "standard", priority=-5) == 0  # earlier than its tier: not
+    assert await sent({}, "batch", priority=0) == 1
+    assert await sent({"worker_priority": False}, "interactive") == "as sent"
+    assert await sent({"worker_priority": False}, "standard", priority=-5) == "as sent"

@@ -3,7 +3,9 @@
 The session's worker (``vllm_worker_url``) is B. This module starts A, serving the same model
 with room for only two running sequences (``--max-num-seqs 2``), so that requests sent to it
 directly, as another gateway replica or tenant would, queue inside it. The gateway runs with
-admission off: only routing decides where a request goes.
+admission off: only routing decides where a request goes. Like every worker the project
+starts, A runs vLLM's priority scheduling: the last test checks that the requests waiting
+inside it start in the order of their tiers.
 """
 
 from __future__ import annotations
@@ -199,3 +201,56 @@ async def test_a_worker_given_a_long_queue_stops_receiving_the_prefixs_requests(
                 await asyncio.gather(*queue, return_exceptions=True)
     await wait_idle(a, within_s=30)
     await wait_idle(b, within_s=30)
+
+
+async def test_a_workers_waiting_requests_start_in_the_order_of_their_tiers(
+    worker_a: VllmWorker,
+) -> None:
+    """With both of A's sequences taken, a batch request and then a standard one wait inside
+    it; the standard one starts first, as the tier each carries in vLLM's ``priority`` says
+    (first come, first served would start the batch one first)."""
+    a = worker_a.url
+    settings = settings_for(a, admission=False, load_interval_s=0.2)
+    async with running_gateway(settings) as url, httpx.AsyncClient(timeout=120) as client:
+        first_tokens: dict[str, float] = {}
+
+        async def stream(name: str, max_tokens: int, tier: str | None = None) -> None:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Tell me a story, {name}."}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            headers = {"x-gateway-tier": tier} if tier else {}
+            async with client.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers=headers
+            ) as response:
+                assert response.status_code == 200, await response.aread()
+                async for line in response.aiter_lines():
+                    if name not in first_tokens and '"content":"' in line:
+                        first_tokens[name] = time.perf_counter()
+
+        async def waiting(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while total(await scrape(a), "vllm:num_requests_waiting") < n:
+                assert time.monotonic() < deadline, f"A never held {n} request(s) back"
+                await asyncio.sleep(0.02)
+
+        # Two long answers of different lengths take A's two sequences (the shorter one
+        # frees a sequence for one waiting request, the longer still holds the other).
+        tasks = [
+            asyncio.create_task(stream("long", 300)),
+            asyncio.create_task(stream("longer", 900)),
+        ]
+        deadline = time.monotonic() + 30
+        while len(first_tokens) < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        tasks.append(asyncio.create_task(stream("batch", 4, tier="batch")))
+        await waiting(1)
+        tasks.append(asyncio.create_task(stream("standard", 4)))
+        await waiting(2)
+        await asyncio.gather(*tasks)
+    assert first_tokens["standard"] < first_tokens["batch"], first_tokens
+    await wait_idle(a, within_s=30)

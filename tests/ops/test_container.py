@@ -126,6 +126,8 @@ def test_compose_default_profile_runs_the_cpu_worker() -> None:
     assert services["gateway"]["environment"]["GATEWAY_WORKERS"] == "http://vllm:8000"
     # MFU and MBU: the worker counts its FLOPs and bytes, the gateway knows its (nominal) peaks.
     assert "--enable-mfu-metrics" in command
+    # Its waiting requests start in the order of the tier priority the gateway sends.
+    assert command[command.index("--scheduling-policy") + 1] == "priority"
     hardware = json.loads(services["gateway"]["environment"]["GATEWAY_HARDWARE"])
     for key in ("memory_bandwidth_gbs", "peak_tflops"):
         assert hardware[key] == TINY_LLAMA_HARDWARE[key]
@@ -141,6 +143,7 @@ def test_compose_gpu_profile_adds_a_gpu_worker() -> None:
     command = gpu["command"]
     assert "/" in command[command.index("--model") + 1], "a real Hugging Face model id"
     assert "--enable-mfu-metrics" in command
+    assert command[command.index("--scheduling-policy") + 1] == "priority"
     assert gpu["profiles"] == ["gpu"]
 
 

@@ -497,6 +497,12 @@ def test_workers_count_flops_and_bytes_for_the_roofline(overlay: str) -> None:
     assert "--enable-mfu-metrics" in args
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_start_waiting_requests_by_the_tier_priority_sent(overlay: str) -> None:
+    args = _container(_one(overlay, "Deployment", "vllm-worker"))["args"]
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
+
+
 def test_cpu_demo_gateway_has_the_tiny_models_nominal_peaks() -> None:
     config = _one("cpu-demo", "ConfigMap", "goodput-gateway")["data"]
     hardware = json.loads(config["GATEWAY_HARDWARE"])
