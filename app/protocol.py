@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from app.errors import InvalidRequest
 
@@ -117,6 +117,7 @@ class Endpoint(StrEnum):
 TokenCount = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # vLLM bounds its integer fields to int64 or less; beyond that no worker accepts them either.
 _Count = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+_PRIORITY: TypeAdapter[int] = TypeAdapter(_Count)
 # A JSON \u escape of a UTF-16 surrogate: the only way a decoded body can hold text that does
 # not encode back to UTF-8 (a lone surrogate), which the worker's request would then fail on.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -284,15 +285,28 @@ class ParsedRequest:
             opts["include_usage"] = True
             opts.pop("continuous_usage_stats", None)
             changes["stream_options"] = opts
-        if priority is not None and self.endpoint.prioritised:
-            own = self.body.get("priority")
-            # Not an integer: the worker refuses it with its own 400, naming the field.
-            if (own is None and priority != 0) or (type(own) is int and own < priority):
-                changes["priority"] = priority
+        if priority is not None and self.endpoint.prioritised and self._overrides(priority):
+            changes["priority"] = priority
         if not changes:
             return self.raw
         body = {**self.body, **changes}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _overrides(self, priority: int) -> bool:
+        """Whether the tier's ``priority`` replaces the client's own ``priority`` field.
+
+        It does when the client sent none and the tier's is not vLLM's default 0, or sent one
+        earlier than its tier's, read as vLLM reads it (``"-5"`` and ``-5.0`` are -5: no
+        spelling goes ahead of the tier); one vLLM cannot read as an integer is left for its
+        own 400.
+        """
+        own = self.body.get("priority")
+        if own is None:
+            return priority != 0
+        try:
+            return priority > _PRIORITY.validate_python(own)
+        except ValidationError:
+            return False
 
 
 def _declared(fields: _Fields, name: str) -> Any:

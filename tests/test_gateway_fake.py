@@ -663,6 +663,9 @@ async def test_the_tier_goes_to_the_worker_as_vllms_priority() -> None:
     assert await sent({}, "batch") == 1
     assert await sent({}, "interactive", priority=3) == "as sent"  # later: the client's own
     assert await sent({}, "standard", priority=-5) == 0  # earlier than its tier: not
+    assert await sent({}, "standard", priority="-5") == 0  # however vLLM would read it
+    assert await sent({}, "interactive", priority=-2.0) == -1
+    assert await sent({}, "standard", priority="soon") == "as sent"  # the worker's 400
     assert await sent({}, "batch", priority=0) == 1
     assert await sent({"worker_priority": False}, "interactive") == "as sent"
     assert await sent({"worker_priority": False}, "standard", priority=-5) == "as sent"
