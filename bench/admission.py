@@ -164,6 +164,8 @@ _SAMPLED = (
     "gateway_in_flight_requests",
     "gateway_worker_limit_cuts_total",
     "gateway_worker_decode_pace_seconds",
+    "gateway_worker_decode_step_seconds",
+    "gateway_worker_decode_seconds_per_sequence",
 )
 
 
