@@ -146,6 +146,10 @@ class AdmissionController:
             demand = self.demand
             kept = demand.kept_for_higher(tier, workers, above, now) if reserving else 0
             if kept:
+                # Kept from what the worker is known to serve, not from a limit no
+                # measurement has set yet: kept from 230, the slots left a lower tier
+                # were all the worker could run, and the top tier waited for them to end.
+                cap = min(cap, limits.proven_cap(worker))
                 cap -= min(cap - 1, kept)
                 prefill_cap -= min(prefill_cap - 1, 1)
         if limits.occupied(worker, now) >= cap:
@@ -165,7 +169,7 @@ class AdmissionController:
         candidates = self._router.candidates(ticket.model)
         n = len(candidates)
         # Below saturation nothing is held back for higher tiers: see :meth:`_reserving`.
-        slots = sum(self.limits.cap(w) for w in candidates)
+        slots = sum(self.limits.proven_cap(w) for w in candidates)
         reserving = self._reserving(slots, now)
         full = frozenset(
             w.label for w in candidates if self._full(w, ticket.tier, n, now, reserving)

@@ -79,6 +79,19 @@ class Limits:
         most = min(self._settings.max_running_per_worker, worker.limit.limit)
         return most if fit >= most else max(1, math.floor(fit))
 
+    def proven_cap(self, worker: Worker) -> int:
+        """:meth:`cap`, or while no measurement has set it, what the worker was seen to serve.
+
+        A limit no miss, pace reading or queueing has lowered yet is the hard cap or the KV
+        cache's fit, far above what a worker keeps within the TPOT target; the most it ran
+        while a stream kept the aim there is a measurement. None yet: the cap, so a cold
+        burst is not held back by a guess.
+        """
+        cap = self.cap(worker)
+        if worker.limit.measured or worker.served_within_aim < 1.0:
+            return cap
+        return min(cap, math.floor(worker.served_within_aim))
+
     def stretched_cap(self, worker: Worker) -> int:
         """The most ``worker`` may run when the extra requests keep TPOT within its target.
 
@@ -138,6 +151,10 @@ class Limits:
                 # The stream itself kept the aim at its load: a measurement outranks the
                 # line's projection (fitted across arrival rates, whose prefill stalls differ).
                 bound = max(bound, decode_load)
+                if tpot_s <= aim:
+                    # Its own mean load is this process's requests; others' ran there too.
+                    served = decode_load + self._others(worker, now)
+                    worker.served_within_aim = max(worker.served_within_aim, served)
             # The stream's own projection lifts the limit no further than the bound.
             if worker.limit.on_result(tpot_s, aim, target, running, now, decode_load, bound):
                 self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)

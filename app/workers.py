@@ -70,6 +70,8 @@ class Worker:
         """How many requests admission lets run here, steered by their measured TPOT."""
         self.prefilling = 0
         """Requests sent here that have not produced their first token yet."""
+        self.served_within_aim = 0.0
+        """The most it ran (a stream's mean load as it decoded) while a stream kept the TPOT aim."""
         self.pace = DecodePace()
         """The live gap between output events of its running streams (steers ``limit``)."""
         self.recent_ttft = RecentQuantile(0.8)

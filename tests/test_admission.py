@@ -224,6 +224,36 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     assert not admission._full(worker, batch)
 
 
+def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_limit() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+    # Interactive holds a slot 4 s and arrives once a second: 9 slots kept for it.
+    admission.completed("interactive", 4.0)
+    for t in range(10):
+        admission.demand.arrived(interactive.priority, clock.now - 9 + t)
+    # Nothing measured yet: kept from the hard cap, 256 - 9.
+    worker.in_flight = 246
+    assert not admission._full(worker, batch)
+    # A stream kept the 80 ms aim at a mean load of 20: the limit, never lowered, stays 256,
+    # but what is kept comes out of the 20 the worker was seen to serve.
+    limits.learn(worker, 0.05, clock.now, 20.0)
+    assert limits.cap(worker) == 256
+    assert limits.proven_cap(worker) == 20
+    worker.in_flight = 10
+    assert not admission._full(worker, batch)
+    worker.in_flight = 11
+    assert admission._full(worker, batch)
+    assert not admission._full(worker, interactive)
+    # Below saturation the unmeasured limit stands: a lower tier is held back by nothing.
+    worker.in_flight = 100
+    assert not admission._full(worker, batch, reserving=False)
+    # Once a measurement set the limit, it is what slots are kept from.
+    worker.limit.cut(40, clock.now)
+    assert limits.proven_cap(worker) == limits.cap(worker) == 36
+
+
 def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_saturate() -> None:
     """Below saturation a lower tier takes any free slot: nothing is held back on a guess."""
     clock = FakeClock()
