@@ -84,8 +84,9 @@ class Limits:
 
         A limit no miss, pace reading or queueing has lowered yet is the hard cap or the KV
         cache's fit, far above what a worker keeps within the TPOT target; the most it ran
-        while a stream kept the aim there is a measurement. None yet: the cap, so a cold
-        burst is not held back by a guess.
+        while a stream decoded there within the aim but at least half as slowly (a load that
+        told something of the aim) is a measurement. None yet: the cap, so neither a cold
+        burst nor one after light traffic is held back by a guess.
         """
         cap = self.cap(worker)
         if worker.limit.measured or worker.served_within_aim < 1.0:
@@ -151,8 +152,11 @@ class Limits:
                 # The stream itself kept the aim at its load: a measurement outranks the
                 # line's projection (fitted across arrival rates, whose prefill stalls differ).
                 bound = max(bound, decode_load)
-                if tpot_s <= aim:
-                    # Its own mean load is this process's requests; others' ran there too.
+                if aim / 2 <= tpot_s <= aim:
+                    # Only a batch that slowed a stream towards the aim says where the aim is:
+                    # at a light load TPOT is the bare decode step, and a bound learnt there
+                    # would hold the next burst's lower tiers to the few that ran then. Its own
+                    # mean load is this process's requests; others' ran there too.
                     served = decode_load + self._others(worker, now)
                     worker.served_within_aim = max(worker.served_within_aim, served)
             # The stream's own projection lifts the limit no further than the bound.

@@ -71,7 +71,7 @@ class Worker:
         self.prefilling = 0
         """Requests sent here that have not produced their first token yet."""
         self.served_within_aim = 0.0
-        """The most it ran (a stream's mean load as it decoded) while a stream kept the TPOT aim."""
+        """The most it ran (a stream's mean load) with a stream's TPOT in half the aim to it."""
         self.pace = DecodePace()
         """The live gap between output events of its running streams (steers ``limit``)."""
         self.recent_ttft = RecentQuantile(0.8)

@@ -236,6 +236,9 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     # Nothing measured yet: kept from the hard cap, 256 - 9.
     worker.in_flight = 246
     assert not admission._full(worker, batch)
+    # Light traffic (two at 25 ms a token, the bare decode step) says nothing of the aim.
+    limits.learn(worker, 0.025, clock.now, 2.0)
+    assert limits.proven_cap(worker) == 256
     # A stream kept the 80 ms aim at a mean load of 20: the limit, never lowered, stays 256,
     # but what is kept comes out of the 20 the worker was seen to serve.
     limits.learn(worker, 0.05, clock.now, 20.0)
