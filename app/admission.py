@@ -147,8 +147,8 @@ class AdmissionController:
             kept = demand.kept_for_higher(tier, workers, above, now) if reserving else 0
             if kept:
                 # Kept from what the worker is known to serve, not from a limit no
-                # measurement has set yet: kept from 230, the slots left a lower tier
-                # were all the worker could run, and the top tier waited for them to end.
+                # measurement has set yet (the KV cache's fit): kept from that, the slots
+                # left a lower tier are all the worker can run.
                 cap = min(cap, limits.proven_cap(worker))
                 cap -= min(cap - 1, kept)
                 prefill_cap -= min(prefill_cap - 1, 1)
