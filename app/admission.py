@@ -126,7 +126,9 @@ class AdmissionController:
         lower below a tier that has had requests in the last seconds: the running slots that
         tier is expected to need (:meth:`app.demand.TierDemand.kept_for_higher`) and one
         prefill slot are kept free for it, leaving a lower tier at least the last slot of an
-        otherwise empty worker.
+        otherwise empty worker. They come out of :meth:`app.limits.Limits.proven_cap`, without
+        the stretch: while a higher tier is expected, a lower one does not take the batch past
+        the aim.
         """
         now = self._clock() if now is None else now
         limits = self.limits

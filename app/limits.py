@@ -79,19 +79,24 @@ class Limits:
         most = min(self._settings.max_running_per_worker, worker.limit.limit)
         return most if fit >= most else max(1, math.floor(fit))
 
-    def proven_cap(self, worker: Worker) -> int:
-        """:meth:`cap`, or while no measurement has set it, what the worker was seen to serve.
+    def seen_bound(self, worker: Worker) -> int | None:
+        """What ``worker`` was seen to serve, while no measurement has set its limit.
 
         A limit no miss, pace reading or queueing has lowered yet is the hard cap or the KV
         cache's fit, far above what a worker keeps within the TPOT target; the most it ran
         while a stream decoded there within the aim but at least half as slowly (a load that
-        told something of the aim) is a measurement. None yet: the cap, so neither a cold
-        burst nor one after light traffic is held back by a guess.
+        told something of the aim) is a measurement. None once the limit is measured, or
+        before any such stream: a cold burst, or one after light traffic, is not held back by
+        a guess.
         """
-        cap = self.cap(worker)
         if worker.limit.measured or worker.served_within_aim < 1.0:
-            return cap
-        return min(cap, math.floor(worker.served_within_aim))
+            return None
+        return math.floor(worker.served_within_aim)
+
+    def proven_cap(self, worker: Worker) -> int:
+        """:meth:`cap`, at most :meth:`seen_bound`: the slots the worker is known to serve."""
+        cap, seen = self.cap(worker), self.seen_bound(worker)
+        return cap if seen is None else min(cap, seen)
 
     def stretched_cap(self, worker: Worker) -> int:
         """The most ``worker`` may run when the extra requests keep TPOT within its target.
@@ -250,6 +255,7 @@ class Limits:
             label = worker.label
             latency = worker.latency
             metrics.worker_concurrency_limit.labels(label).set(self.cap(worker))
+            metrics.worker_proven_concurrency.labels(label).set(self.seen_bound(worker) or 0)
             metrics.worker_prefill_limit.labels(label).set(self.prefill_cap(worker))
             metrics.worker_prefilling.labels(label).set(worker.prefilling)
             slope = latency.prefill.slope

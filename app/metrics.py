@@ -366,6 +366,13 @@ class GatewayMetrics:
             "in play).",
             by_worker, multiprocess_mode="livemax", registry=reg,
         )  # fmt: skip
+        self.worker_proven_concurrency = Gauge(
+            "gateway_worker_proven_concurrency",
+            "Requests the worker was seen to serve within the TPOT aim while its concurrency "
+            "limit is unmeasured (slots kept for higher tiers come out of it); 0 once the "
+            "limit is measured or before any such load.",
+            by_worker, multiprocess_mode="livemax", registry=reg,
+        )  # fmt: skip
         self.worker_decode_pace = Gauge(
             "gateway_worker_decode_pace_seconds",
             "Mean gap per token between output events of the worker's running streams, over "
@@ -513,9 +520,9 @@ class GatewayMetrics:
             self.worker_failovers, self.worker_running, self.worker_waiting, self.worker_kv_cache,
             self.worker_load_age, self.worker_in_flight, self.worker_ttft, self.worker_itl,
             self.worker_completion_tokens, self.worker_roofline, self.worker_bandwidth,
-            self.worker_peak_flops,
-            self.worker_concurrency_limit, self.worker_decode_pace, self.worker_prefill_limit,
-            self.worker_prefill_rate, self.worker_decode_step, self.worker_decode_per_sequence,
+            self.worker_peak_flops, self.worker_concurrency_limit, self.worker_proven_concurrency,
+            self.worker_decode_pace, self.worker_prefill_limit, self.worker_prefill_rate,
+            self.worker_decode_step, self.worker_decode_per_sequence,
             self.worker_prefix_queries, self.worker_prefix_hits, self.worker_prefix_blocks,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}

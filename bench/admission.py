@@ -157,6 +157,7 @@ async def drive(
 
 _SAMPLED = (
     "gateway_worker_concurrency_limit",
+    "gateway_worker_proven_concurrency",
     "gateway_worker_prefill_concurrency_limit",
     "gateway_worker_in_flight_requests",
     "gateway_worker_prefilling_requests",

@@ -892,10 +892,12 @@ def workers() -> Json:
         panel(
             "timeseries",
             "Admission limits",
-            "Requests the gateway has open on the worker against the limits admission steers "
-            "from measured latency: the concurrency limit (follows TPOT against the strictest "
-            "TPOT target) and the prefill limit (follows the worker's time to first token), with "
-            "the requests still prefilling. Open requests at the limit mean the gateway's queue, "
+            "Requests the gateway has open on the worker, and those still prefilling, against "
+            "the limits admission steers from measured latency: the concurrency limit (follows "
+            "TPOT against the strictest TPOT target) and the prefill limit (follows the worker's "
+            "time to first token). While the concurrency limit is unmeasured, 'seen to serve' "
+            "is the most the worker ran with streams within the TPOT aim: slots kept for higher "
+            "tiers come out of it. Open requests at the limit mean the gateway's queue, "
             "not the worker's, holds the backlog. Open and prefilling requests add up over the "
             "gateway instances selected; each instance learns its own limits (the highest is "
             "shown): select one instance to see its own.",
@@ -916,6 +918,10 @@ def workers() -> Json:
                     (
                         f"max by (worker) (gateway_worker_prefill_concurrency_limit{{{WI}}})",
                         "prefill limit {{worker}}",
+                    ),
+                    (
+                        f"max by (worker) (gateway_worker_proven_concurrency{{{WI}}} > 0)",
+                        "seen to serve {{worker}}",
                     ),
                 ]
             ),

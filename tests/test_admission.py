@@ -226,9 +226,16 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
 
 def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_limit() -> None:
     clock = FakeClock()
-    admission, pool, _, settings = _controller(clock)
+    admission, pool, metrics, settings = _controller(clock)
     limits, worker = admission.limits, pool.workers["a:1"]
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+
+    def proven_gauge() -> float | None:
+        limits.export(pool)
+        return metrics.registry.get_sample_value(
+            "gateway_worker_proven_concurrency", {"worker": "a:1"}
+        )
+
     # Interactive holds a slot 4 s and arrives once a second: 9 slots kept for it.
     admission.completed("interactive", 4.0)
     for t in range(10):
@@ -239,11 +246,13 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     # Light traffic (two at 25 ms a token, the bare decode step) says nothing of the aim.
     limits.learn(worker, 0.025, clock.now, 2.0)
     assert limits.proven_cap(worker) == 256
-    # A stream kept the 80 ms aim at a mean load of 20: the limit, never lowered, stays 256,
-    # but what is kept comes out of the 20 the worker was seen to serve.
+    assert proven_gauge() == 0
+    # A stream kept the 80 ms aim at a mean load of 20 (50 ms a token): the limit, never
+    # lowered, stays 256, but what is kept comes out of the 20 the worker was seen to serve.
     limits.learn(worker, 0.05, clock.now, 20.0)
     assert limits.cap(worker) == 256
     assert limits.proven_cap(worker) == 20
+    assert proven_gauge() == 20
     worker.in_flight = 10
     assert not admission._full(worker, batch)
     worker.in_flight = 11
@@ -254,7 +263,9 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     assert not admission._full(worker, batch, reserving=False)
     # Once a measurement set the limit, it is what slots are kept from.
     worker.limit.cut(40, clock.now)
+    assert limits.seen_bound(worker) is None
     assert limits.proven_cap(worker) == limits.cap(worker) == 36
+    assert proven_gauge() == 0
 
 
 def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_saturate() -> None:

@@ -60,6 +60,7 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_memory_bandwidth_bytes_per_second": _WORKER,
     "gateway_worker_peak_flops_per_second": _WORKER,
     "gateway_worker_concurrency_limit": _WORKER,
+    "gateway_worker_proven_concurrency": _WORKER,
     "gateway_worker_decode_pace_seconds": _WORKER,
     "gateway_worker_prefill_concurrency_limit": _WORKER,
     "gateway_worker_prefilling_requests": _WORKER,
