@@ -896,11 +896,11 @@ def workers() -> Json:
             "the limits admission steers from measured latency: the concurrency limit (follows "
             "TPOT against the strictest TPOT target) and the prefill limit (follows the worker's "
             "time to first token). While the concurrency limit is unmeasured, 'seen to serve' "
-            "is the most the worker ran with streams within the TPOT aim: slots kept for higher "
-            "tiers come out of it. Open requests at the limit mean the gateway's queue, "
-            "not the worker's, holds the backlog. Open and prefilling requests add up over the "
-            "gateway instances selected; each instance learns its own limits (the highest is "
-            "shown): select one instance to see its own.",
+            "is the most the worker ran with streams within the TPOT aim (0 once measured or "
+            "before any such load): slots kept for higher tiers come out of it. Open requests "
+            "at the limit mean the gateway's queue, not the worker's, holds the backlog. Open "
+            "and prefilling requests add up over the gateway instances selected; each instance "
+            "learns its own limits (the highest is shown): select one instance to see its own.",
             refs(
                 [
                     (
@@ -920,7 +920,7 @@ def workers() -> Json:
                         "prefill limit {{worker}}",
                     ),
                     (
-                        f"max by (worker) (gateway_worker_proven_concurrency{{{WI}}} > 0)",
+                        f"max by (worker) (gateway_worker_proven_concurrency{{{WI}}})",
                         "seen to serve {{worker}}",
                     ),
                 ]
