@@ -150,8 +150,9 @@ class AdmissionController:
             if kept:
                 # Kept from what the worker is known to serve, not from a limit no
                 # measurement has set yet (the KV cache's fit): kept from that, the slots
-                # left a lower tier are all the worker can run.
-                cap = min(cap, limits.proven_cap(worker))
+                # left a lower tier are all the worker can run. It is at most the limit, so
+                # the stretch above does not apply here.
+                cap = limits.proven_cap(worker)
                 cap -= min(cap - 1, kept)
                 prefill_cap -= min(prefill_cap - 1, 1)
         if limits.occupied(worker, now) >= cap:
