@@ -79,23 +79,25 @@ class Limits:
         most = min(self._settings.max_running_per_worker, worker.limit.limit)
         return most if fit >= most else max(1, math.floor(fit))
 
-    def seen_bound(self, worker: Worker) -> int | None:
+    def seen_bound(self, worker: Worker, at_aim: bool = False) -> int | None:
         """What ``worker`` was seen to serve, while no measurement has set its limit.
 
         A limit no miss, pace reading or queueing has lowered yet is the hard cap or the KV
         cache's fit, far above what a worker keeps within the TPOT target; the most it ran
         while a stream decoded there within the aim but at least half as slowly (a load that
-        told something of the aim) is a measurement. None once the limit is measured, or
-        before any such stream: a cold burst, or one after light traffic, is not held back by
-        a guess.
+        told something of the aim) is a measurement. ``at_aim``: that load scaled by the aim
+        over the stream's TPOT, which TPOT, growing at most in proportion to the batch, still
+        keeps within the aim. None once the limit is measured, or before any such stream: a
+        cold burst, or one after light traffic, is not held back by a guess.
         """
-        if worker.limit.measured or worker.served_within_aim < 1.0:
+        seen = worker.served_at_aim if at_aim else worker.served_within_aim
+        if worker.limit.measured or seen < 1.0:
             return None
-        return math.floor(worker.served_within_aim)
+        return math.floor(seen)
 
-    def proven_cap(self, worker: Worker) -> int:
+    def proven_cap(self, worker: Worker, at_aim: bool = False) -> int:
         """:meth:`cap`, at most :meth:`seen_bound`: the slots the worker is known to serve."""
-        cap, seen = self.cap(worker), self.seen_bound(worker)
+        cap, seen = self.cap(worker), self.seen_bound(worker, at_aim)
         return cap if seen is None else min(cap, seen)
 
     def stretched_cap(self, worker: Worker) -> int:
@@ -164,6 +166,7 @@ class Limits:
                     # mean load is this process's requests; others' ran there too.
                     served = decode_load + self._others(worker, now)
                     worker.served_within_aim = max(worker.served_within_aim, served)
+                    worker.served_at_aim = max(worker.served_at_aim, served * aim / tpot_s)
             # The stream's own projection lifts the limit no further than the bound.
             if worker.limit.on_result(tpot_s, aim, target, running, now, decode_load, bound):
                 self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)

@@ -72,6 +72,8 @@ class Worker:
         """Requests sent here that have not produced their first token yet."""
         self.served_within_aim = 0.0
         """The most it ran (a stream's mean load) with a stream's TPOT in half the aim to it."""
+        self.served_at_aim = 0.0
+        """Those loads scaled by the aim over the stream's TPOT: what would decode at the aim."""
         self.pace = DecodePace()
         """The live gap between output events of its running streams (steers ``limit``)."""
         self.recent_ttft = RecentQuantile(0.8)

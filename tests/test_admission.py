@@ -245,7 +245,7 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     assert not admission._full(worker, batch)
     # Light traffic (two at 25 ms a token, the bare decode step) says nothing of the aim.
     limits.learn(worker, 0.025, clock.now, 2.0)
-    assert limits.proven_cap(worker) == 256
+    assert limits.proven_cap(worker) == limits.proven_cap(worker, at_aim=True) == 256
     assert proven_gauge() == 0
     # A stream kept the 80 ms aim at a mean load of 20 (50 ms a token): the limit, never
     # lowered, stays 256, but what is kept comes out of the 20 the worker was seen to serve.
@@ -261,10 +261,19 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     # Below saturation the unmeasured limit stands: a lower tier is held back by nothing.
     worker.in_flight = 100
     assert not admission._full(worker, batch, reserving=False)
+    # Whether the pool saturates is judged against what the worker would run at the aim:
+    # 20 x 80 / 50 = 32. Expected slots between 20 and 32 keep nothing back.
+    assert limits.proven_cap(worker, at_aim=True) == 32
+    ticket = _ticket(settings, clock, "batch")
+    _arrive(admission, [(clock.now + k / 6, interactive.priority) for k in range(18)])
+    clock.now += 3.0
+    assert 20 <= admission.demand.expected_total(clock.now) < 32
+    worker.in_flight = 15
+    assert admission._try(ticket, clock.now) is not None
     # Once a measurement set the limit, it is what slots are kept from.
     worker.limit.cut(40, clock.now)
     assert limits.seen_bound(worker) is None
-    assert limits.proven_cap(worker) == limits.cap(worker) == 36
+    assert limits.proven_cap(worker) == limits.proven_cap(worker, at_aim=True) == 36
     assert proven_gauge() == 0
 
 
