@@ -172,8 +172,8 @@ class AdmissionController:
         candidates = self._router.candidates(ticket.model)
         n = len(candidates)
         # Below saturation nothing is held back for higher tiers: see :meth:`_reserving`. Its
-        # slots are what the workers would run at the aim; the loads they were seen at are a
-        # lower bound, and read a short burst at 0.75x of capacity as saturation.
+        # slots are what the workers would run at the aim: the loads they were seen at are a
+        # lower bound, which would read bursts below saturation as saturation.
         slots = sum(self.limits.proven_cap(w, at_aim=True) for w in candidates)
         reserving = self._reserving(slots, now)
         full = frozenset(
