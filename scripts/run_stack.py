@@ -26,7 +26,7 @@ from types import FrameType
 from typing import IO
 
 from scripts.processes import stop_process
-from scripts.vllm_worker import ROOT, RUN_DIR, TINY_LLAMA_HARDWARE, VllmWorker, WorkerError
+from scripts.vllm_worker import ROOT, RUN_DIR, VllmWorker, WorkerError, hardware_for
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -122,7 +122,10 @@ def _serve(
     args: argparse.Namespace, stack: contextlib.ExitStack, worker: VllmWorker, gateway_url: str
 ) -> int:
     """Start each part, entering its stop on ``stack``; then watch them until one exits."""
-    print(f"starting vLLM CPU worker on {worker.url} (about a minute); log {worker.log_path}")
+    print(
+        f"starting vLLM CPU worker ({worker.dtype}) on {worker.url} (about a minute); "
+        f"log {worker.log_path}"
+    )
     worker.start()
     stack.callback(worker.stop)
     stack.callback(print, "stopping vLLM worker", flush=True)
@@ -134,7 +137,7 @@ def _serve(
         "GATEWAY_PORT": str(args.gateway_port),
     }
     env.setdefault("GATEWAY_WORKERS", worker.url)
-    env.setdefault("GATEWAY_HARDWARE", json.dumps(TINY_LLAMA_HARDWARE))
+    env.setdefault("GATEWAY_HARDWARE", json.dumps(hardware_for(worker.dtype)))
     gateway_log = RUN_DIR / "gateway.log"
     print(f"starting the gateway on {gateway_url}; log {gateway_log}", flush=True)
     gateway = stack.enter_context(

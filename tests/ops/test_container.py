@@ -79,13 +79,15 @@ def test_dockerignore_keeps_workers_models_tests_and_venvs_out() -> None:
             assert source.rstrip("/") in included, f"COPY {source} is excluded by .dockerignore"
 
 
-def _compose(*args: str, file: Path = COMPOSE) -> subprocess.CompletedProcess[str]:
+def _compose(
+    *args: str, file: Path = COMPOSE, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [tool("docker-compose"), "--project-directory", str(REPO), "-f", str(file), *args],
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)},
+        env={"PATH": "/usr/bin:/bin", "HOME": str(REPO), **(env or {})},
     )
 
 
@@ -96,9 +98,9 @@ def test_compose_file_is_valid(profiles: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def _config(*profiles: str) -> dict[str, Any]:
+def _config(*profiles: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     args = [arg for p in profiles for arg in ("--profile", p)]
-    result = _compose(*args, "config", "--format", "json")
+    result = _compose(*args, "config", "--format", "json", env=env)
     assert result.returncode == 0, result.stderr
     config: dict[str, Any] = json.loads(result.stdout)
     return config
@@ -131,6 +133,12 @@ def test_compose_default_profile_runs_the_cpu_worker() -> None:
     hardware = json.loads(services["gateway"]["environment"]["GATEWAY_HARDWARE"])
     for key in ("memory_bandwidth_gbs", "peak_tflops"):
         assert hardware[key] == TINY_LLAMA_HARDWARE[key]
+
+
+def test_compose_cpu_worker_dtype_is_set_by_worker_dtype() -> None:
+    # bf16 is emulated, 3.5-5.5x slower, on a host without AVX-512 or AMX.
+    command = _config(env={"WORKER_DTYPE": "float32"})["services"]["vllm"]["command"]
+    assert command[command.index("--dtype") + 1] == "float32"
 
 
 def test_compose_gpu_profile_adds_a_gpu_worker() -> None:

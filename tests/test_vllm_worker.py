@@ -1,0 +1,48 @@
+"""The worker launcher's choice of dtype by CPU (``scripts/vllm_worker.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.vllm_worker import TINY_LLAMA_HARDWARE, VllmWorker, cpu_dtype, hardware_for
+
+AVX2_ONLY = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse sse2 ssse3 fma avx avx2 f16c bmi2
+"""
+SAPPHIRE_RAPIDS = AVX2_ONLY.replace("avx2 ", "avx2 avx512f avx512bw avx512_bf16 amx_bf16 ")
+SKYLAKE_X = AVX2_ONLY.replace("avx2 ", "avx2 avx512f avx512bw ")
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+NEOVERSE_N1 = "processor\t: 0\nFeatures\t: fp asimd crc32 atomics\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "dtype"),
+    [
+        (AVX2_ONLY, "float32"),
+        (SAPPHIRE_RAPIDS, "bfloat16"),
+        (SKYLAKE_X, "bfloat16"),
+        (GRAVITON3, "bfloat16"),
+        (NEOVERSE_N1, "float32"),
+        ("", "bfloat16"),
+    ],
+    ids=["avx2-only", "amx", "avx512", "arm-bf16", "arm-no-bf16", "unreadable"],
+)
+def test_bf16_only_where_the_cpu_computes_it_in_vectors(cpuinfo: str, dtype: str) -> None:
+    assert cpu_dtype(cpuinfo) == dtype
+
+
+def test_the_worker_is_started_with_its_dtype() -> None:
+    command = VllmWorker(8999, dtype="float32").command()
+    assert command[command.index("--dtype") + 1] == "float32"
+    default = VllmWorker(8999).command()
+    assert default[default.index("--dtype") + 1] == cpu_dtype()
+
+
+def test_the_roofline_figures_follow_the_dtype() -> None:
+    assert hardware_for("bfloat16") == TINY_LLAMA_HARDWARE
+    wide = hardware_for("float32")
+    assert wide["dtype_bytes"] == 4.0
+    assert wide["kv_bytes_per_token"] == 2 * TINY_LLAMA_HARDWARE["kv_bytes_per_token"]
+    assert wide["peak_tflops"] == TINY_LLAMA_HARDWARE["peak_tflops"]
