@@ -9,9 +9,9 @@ Every request streams a chat completion of a prompt (a shared ~340-token system 
 user message of ~35-220 tokens of its own, see :func:`chat_prompt`) and 64 tokens out.
 
 1. Capacity (after a warm-up at full batch): Poisson arrivals of interactive requests at 6, 7,
-   8, ... req/s (or 5, 4, ... if 6 fails) through the gateway with admission off, each step
-   two runs of ``--calibrate`` seconds with different arrivals; the capacity is the highest
-   rate (to half a request per second) at which 90% of the requests of both runs sent after
+   8, ... req/s (or 5, 4, ..., 1, 0.5, 0.25 if 6 fails) through the gateway with admission
+   off, each step two runs of ``--calibrate`` seconds with different arrivals; the capacity is
+   the highest rate (to half a step) at which 90% of the requests of both runs sent after
    the first quarter of each met the interactive SLO (``--capacity`` takes a figure instead).
 2. The sweep: at 0.25, 0.5, 0.75, 1, 1.5, 2 and 3 x capacity, the same Poisson arrivals (a
    30/50/20 interactive/standard/batch mix, ``--duration`` seconds) through a fresh gateway
@@ -47,7 +47,7 @@ import secrets
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -80,7 +80,7 @@ WARMUP_STREAMS = 64
 CALIBRATION_ATTAINMENT = 0.9
 CALIBRATION_RUNS = 2
 CALIBRATION_START_RPS = 6.0
-CALIBRATION_MIN_RPS = 1.0
+CALIBRATION_MIN_RPS = 0.25
 CALIBRATION_MAX_RPS = 30.0
 LOADS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 COLD_BURST = 64
@@ -253,17 +253,17 @@ async def calibrate(
 
     The definition DistServe uses for goodput per GPU. Through the gateway with admission off
     (plain pass-through), Poisson arrivals of interactive requests from
-    ``CALIBRATION_START_RPS`` up (or down, if it fails) in steps of 1 req/s, then the half step
-    between the last passing and the first failing rate. Each step is ``CALIBRATION_RUNS``
-    runs of ``seconds`` with different arrivals, every answer awaited before the next run, and
-    passes when 90% of their requests together met the SLO. Runs must be long enough for an
-    overload's backlog to build up: 15-second steps were seen to pass at 11 req/s where 40
-    seconds at 10 req/s left 22% within the SLO. And one run is not enough: near the knee a
-    pass-through either keeps up or its backlog runs away, depending on the bursts in that
-    one sequence (on this machine 40-s runs at 9.5 req/s met 99-100% in some runs, 1-64% in others).
+    ``CALIBRATION_START_RPS`` up (or down, if it fails) in steps of 1 req/s, halves below 1,
+    then the half step between the last passing and the first failing rate
+    (:func:`search_capacity`). Each step is ``CALIBRATION_RUNS`` runs of ``seconds`` with
+    different arrivals, every answer awaited before the next run, and passes when 90% of their
+    requests together met the SLO. Runs must be long enough for an overload's backlog to build
+    up: 15-second steps were seen to pass at 11 req/s where 40 seconds at 10 req/s left 22%
+    within the SLO. And one run is not enough: near the knee a pass-through either keeps up or
+    its backlog runs away, depending on the bursts in that one sequence (on this machine 40-s
+    runs at 9.5 req/s met 99-100% in some runs, 1-64% in others).
     Returns the capacity and every run's figures.
     """
-    passed: dict[float, bool] = {}
     steps: list[dict[str, float]] = []
 
     async def step(rate: float) -> bool:
@@ -276,14 +276,30 @@ async def calibrate(
         log(f"calibration: {rate:.1f} req/s: {100 * met:.1f}% over {len(runs)} runs")
         return met >= CALIBRATION_ATTAINMENT
 
+    return await search_capacity(step), steps
+
+
+async def search_capacity(passes: Callable[[float], Awaitable[bool]]) -> float:
+    """The highest rate ``passes``, searched as :func:`calibrate` says (0: none down to the floor).
+
+    Up or down from ``CALIBRATION_START_RPS`` in steps of 1 req/s; below 1 req/s down in
+    halves (a CPU without fast bf16 or fp32 vectors may serve less than one of the benchmark's
+    requests a second) to ``CALIBRATION_MIN_RPS``; then the midpoint between the last passing
+    and the first failing rate, when they are at least 1 req/s apart.
+    """
+    passed: dict[float, bool] = {}
     rate = CALIBRATION_START_RPS
     while CALIBRATION_MIN_RPS <= rate <= CALIBRATION_MAX_RPS and rate not in passed:
-        passed[rate] = await step(rate)
-        rate += 1.0 if passed[rate] else -1.0
+        passed[rate] = await passes(rate)
+        if passed[rate]:
+            rate = rate + 1.0 if rate >= 1.0 else rate * 2
+        else:
+            rate = rate - 1.0 if rate > 1.0 else rate / 2
     best = max((r for r, ok in passed.items() if ok), default=0.0)
-    if best > 0 and best + 1.0 in passed and await step(best + 0.5):
-        best += 0.5
-    return best, steps
+    failed = min((r for r, ok in passed.items() if not ok and r > best), default=math.inf)
+    if best > 0 and failed - best >= 0.5 and await passes((best + failed) / 2):
+        best = (best + failed) / 2
+    return best
 
 
 def summarize(outcomes: Sequence[Outcome], duration: float) -> dict[str, dict[str, Any]]:
@@ -572,6 +588,12 @@ async def run(
         await closed_loop(gw, WARMUP_STREAMS * len(urls), 15, bench.keys["standard"], rng)
         if args.capacity is None:
             capacity, steps = await calibrate(gw, args.calibrate, bench.keys, rng)
+            if capacity <= 0:
+                raise SystemExit(
+                    f"calibration: no rate down to {CALIBRATION_MIN_RPS:g} req/s met the "
+                    f"interactive SLO for {100 * CALIBRATION_ATTAINMENT:.0f}% of requests; "
+                    "these workers are too slow for the benchmark's workload"
+                )
         else:
             capacity = args.capacity
     log(f"capacity {capacity:.2f} req/s")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from bench.admission import checks, limit_cuts, parse_sample
+import pytest
+
+from bench.admission import checks, limit_cuts, parse_sample, search_capacity
 
 _PAGE = """\
 # TYPE gateway_worker_limit_cuts_total counter
@@ -52,3 +55,27 @@ def test_replays_of_a_load_are_judged_together_and_3x_seeds_each_alone() -> None
     # Both replays worse (8.2 against 8.5 req/s): the point is.
     runs[1] = _run("0.75x #2", 0.75, 4.0, 4.1)
     assert "MISS goodput on >= off at or below 0.75x: ['0.75x (2 runs) 0.96x']" in checks(runs)
+
+
+@pytest.mark.parametrize(
+    ("knee", "capacity", "tried"),
+    [
+        (9.7, 9.5, [6.0, 7.0, 8.0, 9.0, 10.0, 9.5]),
+        (3.2, 3.0, [6.0, 5.0, 4.0, 3.0, 3.5]),
+        (0.6, 0.5, [6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.75]),
+        (0.8, 0.75, [6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.75]),
+        (0.1, 0.0, [6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.25]),
+    ],
+    ids=["up", "down", "below-1", "below-1-half-step", "none"],
+)
+def test_capacity_search_steps_down_below_one_request_a_second(
+    knee: float, capacity: float, tried: list[float]
+) -> None:
+    seen: list[float] = []
+
+    async def passes(rate: float) -> bool:
+        seen.append(rate)
+        return rate <= knee
+
+    assert asyncio.run(search_capacity(passes)) == capacity
+    assert seen == tried
