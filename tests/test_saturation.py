@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.admission import Ticket
 from app.errors import Overloaded, QueueTimeout, Shed
 from app.goodput import judge
 from app.lease import Lease
@@ -20,6 +21,8 @@ from app.loadsignals import LoadSample, parse_load
 from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
 from app.outcome import LimitCut, Outcome, SloResult
+from app.prefix import BLOCK_CHARS, PromptPrefix
+from app.routing import RouteKey
 from app.settings import TierSpec
 from app.timing import TimingSummary
 from app.workers import Worker, WorkerPool
@@ -145,6 +148,30 @@ async def test_a_prompt_an_idle_worker_would_serve_in_time_is_not_refused_after_
     with pytest.raises(Overloaded) as caught:
         await admission.admit(_ticket(settings, clock, "interactive", 2_000))
     assert caught.value.code == "prompt_too_long"
+
+
+async def test_a_prompt_is_judged_too_long_by_what_the_worker_has_not_cached() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    for _ in range(200):  # 2 ms a token not cached, as routing records the work
+        for work in (100.0, 300.0, 600.0):
+            worker.latency.prefill.observe(work, 0.002 * work)
+    shared = list(range(7))  # a system prompt of 7 blocks, then 3 of the user's own
+    first = RouteKey(prefix=PromptPrefix([*shared, 100, 101, 102], 10 * BLOCK_CHARS))
+    second = RouteKey(prefix=PromptPrefix([*shared, 200, 201, 202], 10 * BLOCK_CHARS))
+    interactive = _tier(settings, "interactive")
+    # 800 tokens at 2 ms: 1.6 s, over the 1 s target, with nothing cached.
+    with pytest.raises(Overloaded) as caught:
+        await admission.admit(Ticket(interactive, MODEL, 800, first, clock.now))
+    assert caught.value.code == "prompt_too_long"
+    lease, _ = await admission.admit(Ticket(_tier(settings, "batch"), MODEL, 800, first, clock.now))
+    lease.release(clock.now)
+    # The worker holds the shared 7 blocks now: 240 tokens to prefill, 0.48 s.
+    lease, waited = await admission.admit(Ticket(interactive, MODEL, 800, second, clock.now))
+    assert waited == 0.0
+    assert lease.worker is worker
+    assert _decisions(metrics, "interactive", "rejected", "prompt_too_long") == 1
 
 
 async def test_other_replicas_requests_and_the_kv_cache_count_against_the_limit() -> None:
