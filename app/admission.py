@@ -198,13 +198,12 @@ class AdmissionController:
         """The prefill of the request's own prompt on the fastest worker: no wait shortens it.
 
         The tokens the worker is not expected to have cached, at the fitted cost per token:
-        the line is learnt on those (routing predicts and records the uncached work), and
-        costing a cached system prompt again refused, at 1x of capacity on CPU workers that
-        prefill ~1.6 ms a token, interactive prompts of ~560 tokens of which ~340 were
-        cached. Without the fitted intercept: the line is learnt under load, where its
-        intercept takes in the decode steps and queueing a request met (seen: 1.0 s
-        predicted for a 900-token prompt that an idle CPU worker prefilled in 0.6 s), and
-        refusing a prompt an idle worker would serve in time is the error that costs most.
+        the line is learnt on those (routing predicts and records the uncached work), and a
+        cached prefix costs no prefill (docs/admission.md). Without the fitted intercept: the
+        line is learnt under load, where its intercept takes in the decode steps and queueing
+        a request met (seen: 1.0 s predicted for a 900-token prompt that an idle CPU worker
+        prefilled in 0.6 s), and refusing a prompt an idle worker would serve in time is the
+        error that costs most.
         """
         router, prefix, tokens = self._router, ticket.route.prefix, ticket.own_tokens
         best = math.inf

@@ -282,10 +282,10 @@ async def calibrate(
 async def search_capacity(passes: Callable[[float], Awaitable[bool]]) -> float:
     """The highest rate ``passes``, searched as :func:`calibrate` says (0: none down to the floor).
 
-    Up or down from ``CALIBRATION_START_RPS`` in steps of 1 req/s; below 1 req/s down in
-    halves (a CPU without fast bf16 or fp32 vectors may serve less than one of the benchmark's
-    requests a second) to ``CALIBRATION_MIN_RPS``; then the midpoint between the last passing
-    and the first failing rate, when they are at least 1 req/s apart.
+    Up or down from ``CALIBRATION_START_RPS`` in steps of 1 req/s; below 1 req/s in halves
+    (a slow CPU may serve less than one of the benchmark's requests a second) down to
+    ``CALIBRATION_MIN_RPS``; then the midpoint between the last passing and the first failing
+    rate, when they are at least 0.5 req/s apart.
     """
     passed: dict[float, bool] = {}
     rate = CALIBRATION_START_RPS

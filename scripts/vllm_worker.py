@@ -61,8 +61,8 @@ def cpu_dtype(cpuinfo: str | None = None) -> str:
     """The dtype a worker computes in on this CPU: ``bfloat16`` where its vectors do bf16.
 
     Else ``float32``: a fraction of the emulated bf16 cost, for twice the KV-cache bytes per
-    token. ``cpuinfo`` is ``/proc/cpuinfo``'s text (read
-    when None); a CPU whose flags cannot be read keeps vLLM's ``bfloat16``.
+    token. ``cpuinfo`` is ``/proc/cpuinfo``'s text (read when None); a CPU whose flags cannot
+    be read keeps vLLM's ``bfloat16``.
     """
     if cpuinfo is None:
         try:
