@@ -45,6 +45,15 @@ class EventKind(IntEnum):
 
 def classify(event: bytes) -> EventKind:
     """Classify one whole event by scanning its bytes."""
+    # vLLM writes compact JSON, so a token chunk's text key is found by a plain byte search,
+    # three times faster than the pattern, which covers every other spelling and key.
+    at = event.find(b'"content":"')
+    end = at + 11
+    if at < 0:
+        at = event.find(b'"text":"')
+        end = at + 8
+    if at >= 0 and event[end : end + 1] != b'"':
+        return EventKind.OUTPUT
     if _OUTPUT.search(event) is not None:
         return EventKind.OUTPUT
     if _DONE.match(event) is not None:

@@ -58,6 +58,11 @@ STREAM = [ROLE, TOKEN, TOKEN, FINISH, USAGE, DONE]
         (DONE, EventKind.DONE),
         (b": keep-alive\n\n", EventKind.OTHER),
         (b'data: {"choices": [{"delta": {"content": "spaced"}}]}\n\n', EventKind.OUTPUT),
+        # The empty content the byte search finds first is not the end of the scan.
+        (
+            b'data: {"choices":[{"delta":{"content":"","reasoning_content":"r"}}]}\n\n',
+            EventKind.OUTPUT,
+        ),
     ],
 )
 def test_classify(event: bytes, kind: EventKind) -> None:
