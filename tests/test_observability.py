@@ -12,11 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from app.auth import Authenticator
 from app.goodput import GoodputTracker
-from app.metrics import GatewayMetrics
+from app.metrics import Counter, GatewayMetrics
 from app.outcome import SloResult
 from app.settings import Settings
 from app.workers import WorkerPool
@@ -125,3 +125,16 @@ def test_a_keys_file_that_lists_no_keys_or_is_missing_refuses_to_start(tmp_path:
         Authenticator(settings_for("http://a:1", api_keys_file=str(missing)), FakeClock())
     # Without a keys file (make run) the gateway runs without keys, as before.
     assert not Authenticator(settings_for("http://a:1"), FakeClock()).enabled
+
+
+def test_a_kept_child_is_dropped_with_its_series() -> None:
+    registry = CollectorRegistry()
+    counter = Counter("kept", "A labelled counter.", ["worker"], registry=registry)
+    counter.labels("w0").inc(3)
+    assert counter.labels("w0") is counter.labels("w0")
+    counter.remove("w0")
+    counter.labels("w0").inc()
+    assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 1
+    counter.clear()
+    counter.labels(worker="w0").inc(2)
+    assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 2
