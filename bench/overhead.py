@@ -268,23 +268,44 @@ def http_text(url: str, timeout: float = 2.0) -> str:
         return ""
 
 
+def proc_children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (of any of its threads)."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                children.extend(int(c) for c in (task / "children").read_text().split())
+    return children
+
+
 def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads); NaN when it is gone."""
+    """User + system CPU seconds of process ``pid`` and its children; NaN when it is gone.
+
+    A gateway with ``GATEWAY_PROCESSES`` above 1 relays in its children: their time counts,
+    the live ones' as they run and the ended ones' once reaped.
+    """
     try:
-        # Fields 14 and 15 of /proc/PID/stat, counted after the ")" ending the name.
+        # Fields 14-17 of /proc/PID/stat (own and reaped children's user and system time),
+        # counted after the ")" ending the name.
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return math.nan
-    return (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
+    own = sum(int(x) for x in stat[11:15]) / _CLOCK_TICKS
+    return own + sum(
+        cpu for child in proc_children(pid) if not math.isnan(cpu := proc_cpu_s(child))
+    )
 
 
 def proc_rss_mib(pid: int) -> float:
-    """Resident memory of process ``pid`` in MiB."""
+    """Resident memory of process ``pid`` and its children in MiB (shared pages in each)."""
     try:
         pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return math.nan
-    return pages * _PAGE / 2**20
+    own = pages * _PAGE / 2**20
+    return own + sum(
+        rss for child in proc_children(pid) if not math.isnan(rss := proc_rss_mib(child))
+    )
 
 
 def machine_busy_s() -> float:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 from app.upstream import connection_budget
 from bench.load_client import ClientPool
-from bench.overhead import Bench, Load, Stack
+from bench.overhead import Bench, Load, Stack, proc_cpu_s
 
 # 80 requests a second either way: 8 streams answered after 100 ms, 128 after 1.6 s.
 _FEW = Load(streams=8, duration_s=2.5, max_tokens=1, ttft_ms=100.0, itl_ms=10.0)
@@ -61,3 +63,22 @@ def test_the_connection_budget_fits_the_descriptors_the_process_may_open() -> No
     assert connection_budget(4) == 4
     # Two descriptors per stream (client and worker) and some kept back: never more than half.
     assert connection_budget(10 * soft) < soft // 2
+
+
+def test_a_process_cpu_time_takes_in_its_children(tmp_path: Path) -> None:
+    # A gateway of several processes relays in its children: the benchmark weighs them too.
+    spin = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import subprocess, sys, time\n"
+        f"subprocess.run([sys.executable, '-c', {spin!r}], check=True)\n"
+        "print('reaped', flush=True)\n"
+        "time.sleep(5)\n"
+    )
+    with subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == b"reaped\n"
+            assert proc_cpu_s(proc.pid) >= 0.4
+        finally:
+            proc.kill()
