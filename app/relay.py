@@ -150,6 +150,9 @@ class Relay(Response):
         self._task: asyncio.Task[None] | None = None
         self._cut = False
         self._ended = False
+        # The stream's end marker ([DONE], or the Responses API's last event) reached the
+        # client: it has the whole answer, whatever the worker's connection does after.
+        self._answered = False
         # Tokenizer-only requests use no engine: never queued, and nothing is learnt from them.
         self._engine = ctx.request.endpoint.cost is not Cost.NONE
 
@@ -241,8 +244,11 @@ class Relay(Response):
                 self._drop_client()
                 return
             except GatewayError as error:
-                self._timer.attempt_failed()
                 deps.pool.report_failure(lease.worker, error.code or "error")
+                if self._answered:  # after the whole answer: nothing to fail over
+                    await self._fail(send, error, error.__cause__)
+                    return
+                self._timer.attempt_failed()
                 retry = None
                 if not self._started and len(tried) < deps.settings.max_attempts:
                     retry = self._next_choice(frozenset(tried))
@@ -408,6 +414,7 @@ class Relay(Response):
                             sending = True
                             deadline.move(_earliest(loop.time() + stall, total_at))
                         sent = await self._relay(send, out, outputs)
+                        self._answered = done
                         if sending:
                             sending = False
                             if last_received is None:
@@ -526,8 +533,14 @@ class Relay(Response):
         )
 
     async def _fail(self, send: Send, error: GatewayError, cause: BaseException | None) -> None:
-        """Report ``error``: as the response if nothing was sent yet, else in-band."""
-        self._outcome = error.outcome
+        """Report ``error``: as the response if nothing was sent yet, else in-band.
+
+        A client that has the whole answer (its end marker sent) gets only the end of the
+        body: an error after [DONE] would contradict it. The error is logged, and the request
+        keeps the outcome of an answer given.
+        """
+        if not self._answered:
+            self._outcome = error.outcome
         worker = self._lease.worker.label if self._lease else "-"
         if not isinstance(error, UpstreamClientError):
             log.warning(
@@ -544,9 +557,11 @@ class Relay(Response):
             self._status = error.status_code
             await self._end_body(send, body)
             return
-        self._status = error.status_code
-        event = b"data: " + error.to_json() + b"\n\n"
-        # The stream ends without [DONE], so clients cannot mistake it for a complete answer.
+        if not self._answered:
+            self._status = error.status_code
+        # An error ends the stream without [DONE], so clients cannot mistake it for a complete
+        # answer; after [DONE], the body just ends.
+        event = b"" if self._answered else b"data: " + error.to_json() + b"\n\n"
         try:
             async with asyncio.timeout(self._deps.settings.client_stall_timeout_s):
                 await self._end_body(send, event)

@@ -241,3 +241,20 @@ async def test_a_worker_that_drops_the_connection_mid_stream_gets_an_in_band_err
     assert error["code"] == "upstream_invalid_response"
     assert not any(b"[DONE]" in c for c in chunks)
     assert 'outcome="upstream_error"' in metrics
+
+
+async def test_a_worker_that_drops_the_connection_after_its_end_leaves_the_answer_whole() -> None:
+    """No error after [DONE]: the client has its whole answer, and it counts as given."""
+    case = CASES["chat_length_usage"]
+    async with OneWriteWorker(_as_direct(case), dies=True) as worker_url:
+        async with running_gateway(settings_for(worker_url)) as url:
+            chunks = await _http_chunks(url, case["request"].encode())
+            async with httpx.AsyncClient(base_url=url) as client:
+                for _ in range(100):  # the request is counted just after its body ends
+                    metrics = (await client.get("/metrics")).text
+                    if re.search(r"gateway_requests_total\{[^}]*\} 1\.0", metrics):
+                        break
+                    await asyncio.sleep(0.02)
+    assert chunks == _events(case["direct"].encode())
+    assert re.search(r'gateway_requests_total\{[^}]*outcome="ok"[^}]*\} 1\.0', metrics)
+    assert re.search(r"gateway_failover_seconds_count\{[^}]*\} 0\.0", metrics)
