@@ -84,6 +84,11 @@ class _KeptChildren(MetricWrapperBase):
         self.__dict__.get("_kept", {}).pop(labelvalues, None)
         super().remove(*labelvalues)
 
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        """Drop the series these labels match (and every kept child: they are made again)."""
+        self.__dict__.pop("_kept", None)
+        super().remove_by_labels(labels)
+
     def clear(self) -> None:
         """Drop every child's series."""
         self.__dict__.pop("_kept", None)

@@ -138,3 +138,7 @@ def test_a_kept_child_is_dropped_with_its_series() -> None:
     counter.clear()
     counter.labels(worker="w0").inc(2)
     assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 2
+    counter.labels("w0")
+    counter.remove_by_labels({"worker": "w0"})
+    counter.labels("w0").inc(5)
+    assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 5
