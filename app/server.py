@@ -16,6 +16,8 @@ protocol, adds them:
 * a request on a connection beyond ``limit_concurrency`` is marked in its scope and answered by
   :mod:`app.trace` with an OpenAI-shaped 503 ``gateway_saturated`` that is counted and logged;
   uvicorn's own answer would be a bare text 503 that the app never sees;
+* a response's head (status line and headers) is written together with its first body bytes
+  (:class:`HeadWithBody`), not on its own;
 * each connection's kernel send buffer is fixed at ``client_send_buffer_bytes`` (not
   autotuned, up to megabytes), and its write flow control and a way to drop it are put in the
   request's scope: with them the relay cuts a client that stops reading (:mod:`app.relay`).
@@ -184,7 +186,11 @@ class GatewayProtocol(HttpToolsProtocol):
             self.scope[OVER_CAPACITY_KEY] = True  # type: ignore[literal-required]
         self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
         self.scope[FLOW_KEY] = self.flow  # type: ignore[literal-required]
+        before = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle is not before:
+            cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:
         """Pass the body on, unless the request was refused."""
@@ -260,6 +266,60 @@ class GatewayProtocol(HttpToolsProtocol):
             endpoint = endpoint_label(url.partition(b"?")[0].decode("latin-1"))
             seconds = self.loop.time() - self._head_started
             state.recorder.plain(rid, endpoint, status, plain_outcome(status, endpoint), seconds)
+
+
+class HeadWithBody:
+    """One response's view of its connection's transport: the head waits for the body.
+
+    uvicorn writes a response's status line and headers as soon as the app sends
+    ``http.response.start``, and its first body bytes in a second write. ASGI asks a server not
+    to start sending before the first body message, and two writes wake the client twice: a
+    client woken by the head on the gateway's core can run there before the body is written,
+    which delays every stream's first event by the client's own work. The head is held until
+    the next write, a close, or the end of the loop's current turn, whichever comes first, so
+    nothing waits on it longer than the code that sent it runs.
+    """
+
+    __slots__ = ("_held", "_loop", "_transport", "_waiting")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._waiting = True
+        """The head has not been written yet (an interim ``100 Continue`` does not count)."""
+
+    def write(self, data: bytes) -> None:
+        """Write ``data``, holding the response's head to go out with what follows it."""
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif self._waiting and not data.startswith(b"HTTP/1.1 100 "):
+            self._waiting = False
+            self._held = data
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        """Write what is held, then close the connection."""
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        """Whether the connection is closing or closed."""
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def protocol_class(settings: Settings) -> type[GatewayProtocol]:
