@@ -272,12 +272,11 @@ class HeadWithBody:
     """One response's view of its connection's transport: the head waits for the body.
 
     uvicorn writes a response's status line and headers as soon as the app sends
-    ``http.response.start``, and its first body bytes in a second write. ASGI asks a server not
-    to start sending before the first body message, and two writes wake the client twice: a
-    client woken by the head on the gateway's core can run there before the body is written,
-    which delays every stream's first event by the client's own work. The head is held until
-    the next write, a close, or the end of the loop's current turn, whichever comes first, so
-    nothing waits on it longer than the code that sent it runs.
+    ``http.response.start``, and its first body bytes in a second write: a system call and a
+    wake-up of the client more than needed, on every response. ASGI asks a server not to start
+    sending before the first body message. The head is held until the next write, a close, or
+    the end of the loop's current turn, whichever comes first, so nothing waits on it longer
+    than the code that sent it runs.
     """
 
     __slots__ = ("_held", "_loop", "_transport", "_waiting")
