@@ -125,6 +125,16 @@ def workload(rate: float, duration: float, rng: random.Random) -> list[Arrival]:
     ]
 
 
+def sent(arrivals: list[Arrival], tiers: frozenset[str] | None) -> list[Arrival]:
+    """The arrivals of ``tiers`` (all when None), at the times the whole mix drew them.
+
+    Filtering the mixed sequence, rather than drawing one of those tiers alone, replays the
+    very requests they met in the mixed run: what is left of a tier's misses is its own bursts',
+    the rest the other tiers'.
+    """
+    return arrivals if tiers is None else [a for a in arrivals if a.tier in tiers]
+
+
 def met_slo(outcome: Outcome, tier: TierSpec) -> bool:
     """Whether an answered request met every SLO of its tier."""
     if not outcome.ok or outcome.ttft is None or outcome.ttft > tier.ttft_slo_s:
@@ -600,11 +610,12 @@ async def run(
     warmup = workload(capacity, 8, random.Random(args.seed + 2))
     runs: list[dict[str, Any]] = []
     loads = [float(x) for x in args.loads.split(",")]
+    tiers = None if args.tiers is None else frozenset(args.tiers.split(","))
     for load in loads:
         top = load == max(LOADS)
         for k in range(args.seeds if top else args.repeats):
             seed = args.seed + 1 + 100 * k * top
-            arrivals = workload(load * capacity, args.duration, random.Random(seed))
+            arrivals = sent(workload(load * capacity, args.duration, random.Random(seed)), tiers)
             name = f"{load:g}x" + ("" if not k else f" seed {seed}" if top else f" #{k + 1}")
             result = await bench.compare(name, arrivals, args.duration, warmup)
             runs.append({**result, "load": load, "seed": seed, "offered_rps": load * capacity})
@@ -660,12 +671,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "VLLM_SERVER_DEV_MODE=1 (default: start two)",
     )
     parser.add_argument(
+        "--tiers",
+        help="send only these tiers' requests of each load's arrivals (comma-separated), "
+        "to see what a tier meets without the others on the same arrival times",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
         help="gateway processes (GATEWAY_PROCESSES), sharing state through a redis-server",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tiers is not None and (unknown := set(args.tiers.split(",")) - TIERS.keys()):
+        parser.error(f"--tiers: no tier named {', '.join(sorted(unknown))}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -692,7 +711,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"met their SLO through a pass-through gateway): {report['capacity_rps']:.2f} req/s. "
         f"Each run: the same arrivals through a fresh gateway with admission on and off; "
         f"{args.duration:.0f} s of Poisson arrivals per load, 30% interactive / 50% standard / "
-        f"20% batch, ~375-560-token prompts (~340 shared), {MAX_TOKENS} tokens out. "
+        f"20% batch{f' (only {args.tiers} sent)' if args.tiers else ''}, ~375-560-token prompts "
+        f"(~340 shared), {MAX_TOKENS} tokens out. "
         "Goodput = requests meeting every SLO of their tier per second of arrivals.\n"
     )
     top = next((r for r in report["runs"] if r.get("load") == max(LOADS)), None)

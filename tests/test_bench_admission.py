@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
 
-from bench.admission import checks, limit_cuts, parse_sample, search_capacity
+from bench.admission import (
+    _parse_args,
+    checks,
+    limit_cuts,
+    parse_sample,
+    search_capacity,
+    sent,
+    workload,
+)
 
 _PAGE = """\
 # TYPE gateway_worker_limit_cuts_total counter
@@ -79,3 +88,14 @@ def test_capacity_search_steps_down_below_one_request_a_second(
 
     assert asyncio.run(search_capacity(passes)) == capacity
     assert seen == tried
+
+
+def test_tiers_sent_alone_keep_the_times_and_prompts_the_whole_mix_drew() -> None:
+    mixed = workload(3.0, 40, random.Random(108))
+    alone = sent(mixed, frozenset({"interactive"}))
+    assert alone == [a for a in mixed if a.tier == "interactive"]
+    assert 0 < len(alone) < len(mixed)
+    assert sent(mixed, None) is mixed
+    assert _parse_args(["--tiers", "interactive,batch"]).tiers == "interactive,batch"
+    with pytest.raises(SystemExit):
+        _parse_args(["--tiers", "interactive,premium"])
