@@ -203,11 +203,22 @@ class Router:
                 # Of the workers nearly as fast, one holding the prefix wins (the most held):
                 # the prediction cannot tell such TTFTs apart, and the cache hit is real. Else
                 # a worker that learnt a higher intercept from a few slow answers lost its own
-                # prefix to an idle one that must prefill it all again.
+                # prefix to an idle one that must prefill it all again. Of those holding as
+                # much, the one with the least prefill work ahead, then the least loaded: on
+                # learnt lines alone, one of two workers holding a shared system prompt took
+                # most of its requests.
                 held = [s for s in scored if s[3] and s[0] <= best_ttft + slack]
                 held = [s for s in held if s[2] not in crowded]
                 if held:
-                    _, _, worker, cached = max(held, key=lambda s: (s[3], -s[0]))
+                    most, now = max(s[3] for s in held), self._pool.now()
+                    _, _, worker, cached = min(
+                        (s for s in held if s[3] == most),
+                        key=lambda s: (
+                            s[2].prefill_tokens_ahead,
+                            self._load(s[2], now),
+                            s[0],
+                        ),
+                    )
             else:
                 # Predicted TTFTs this close are within what the prediction knows: the least
                 # loaded worker wins. Else a worker whose prefix cache made its first answers
@@ -216,10 +227,8 @@ class Router:
                 # flooded the other, at the hard cap, in the first surge).
                 near = [s for s in scored if s[0] <= best_ttft + slack]
                 if len(near) > 1:
-                    now, max_age = self._pool.now(), self._settings.load_max_age_s
-                    _, _, worker, cached = min(
-                        near, key=lambda s: (s[2].in_flight + s[2].others(now, max_age), s[0])
-                    )
+                    now = self._pool.now()
+                    _, _, worker, cached = min(near, key=lambda s: (self._load(s[2], now), s[0]))
             if key.session:
                 pinned = _rendezvous(key.session, workers)
                 pinned_ttft, _, _, pinned_cached = next(s for s in scored if s[2] is pinned)
@@ -236,14 +245,18 @@ class Router:
 
     def _crowded(self, workers: list[Worker]) -> list[Worker]:
         """Workers running far more requests than the least loaded one (no cache credit)."""
-        now, max_age = self._pool.now(), self._settings.load_max_age_s
-        loads = [w.in_flight + w.others(now, max_age) for w in workers]
+        now = self._pool.now()
+        loads = [self._load(w, now) for w in workers]
         least = min(loads)
         return [
             w
             for w, load in zip(workers, loads, strict=True)
             if load - least > _BALANCE_ABS and load > _BALANCE_REL * least
         ]
+
+    def _load(self, worker: Worker, now: float) -> float:
+        """Requests running on ``worker``: this gateway's, plus other clients' as scraped."""
+        return worker.in_flight + worker.others(now, self._settings.load_max_age_s)
 
     def cached_tokens(self, worker: Worker, prefix: PromptPrefix, own_tokens: float) -> float:
         """Of a prompt of ``own_tokens``, the tokens ``worker`` is expected to have cached.

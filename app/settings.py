@@ -199,7 +199,8 @@ class Settings(BaseSettings):
         ge=0,
         description="Predicted TTFTs within this of the fastest count as equal: a session keeps "
         "its pinned worker, a request without one goes to the least loaded of them (prefix_aware: "
-        "a prefix no worker holds, to the one holding the fewest prefixes).",
+        "of those holding the most of its prompt, the one with the least prefill ahead, then the "
+        "least loaded; a prefix no worker holds, to the one holding the fewest prefixes).",
     )
     load_interval_s: float = Field(
         default=0.5, gt=0, description="How often each worker's /metrics is scraped."

@@ -211,6 +211,48 @@ def test_a_worker_that_learnt_a_slower_line_keeps_its_prefix_against_an_idle_one
     assert router.choose(MODEL, own, key).worker is a
 
 
+def test_of_workers_holding_a_prefix_alike_the_least_queued_then_least_loaded_wins() -> None:
+    # Both hold the system prompt (every user's prompt starts with it). A learnt a faster
+    # line from a few answers: on predictions alone it would take every request while it runs
+    # fewer than B would need to look as fast.
+    pool, router = _fleet()
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    for tokens, ttft in ((400, 0.05), (200, 0.04), (400, 0.06)):
+        a.latency.observe_ttft(tokens, ttft)
+    for tokens, ttft in ((400, 0.15), (200, 0.12), (400, 0.16)):
+        b.latency.observe_ttft(tokens, ttft)
+    first = _chat("user one: " + _words(60, 31))
+    for worker in (a, b):
+        worker.prefixes.add(_prefix(_key(router, first)).blocks, 10_000)
+
+    def route(user: int) -> Worker:
+        # A new user each time: the chosen worker's index learns the whole prompt.
+        request = _chat(f"user {user}: " + _words(60, user))
+        key, own = _key(router, request), _tokens(request)
+        assert router.cached_tokens(a, _prefix(key), own) > 0
+        assert router.cached_tokens(a, _prefix(key), own) == router.cached_tokens(
+            b, _prefix(key), own
+        )
+        assert router.rank(a, own) < router.rank(b, own)
+        return router.choose(MODEL, own, key).worker
+
+    a.in_flight = 2
+    assert route(40) is b
+    # As loaded: the faster prediction wins.
+    b.in_flight = 2
+    assert route(41) is a
+    # Prefill work ahead comes first: a first token waits for it, not for decoding streams.
+    a.in_flight, b.in_flight, b.prefill_tokens_ahead = 0, 3, 100
+    assert route(42) is a
+    a.in_flight, b.in_flight, a.prefill_tokens_ahead, b.prefill_tokens_ahead = 0, 3, 100, 0
+    assert route(43) is b
+    a.prefill_tokens_ahead = 0
+    # One holding more of the prompt still wins over a less loaded one holding less.
+    request = _chat("user 41: " + _words(60, 41))
+    a.in_flight = 3
+    assert router.choose(MODEL, _tokens(request), _key(router, request)).worker is a
+
+
 def test_a_hot_prefix_does_not_pile_onto_the_worker_that_first_had_it() -> None:
     pool, router = _fleet()
     a, b = pool.workers["a:1"], pool.workers["b:2"]
