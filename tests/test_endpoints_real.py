@@ -102,9 +102,6 @@ async def test_sdk_responses_stream_arrives_event_by_event_and_counts_one_ttft(
         input="Tell me a story.",
         stream=True,
         max_output_tokens=16,
-        # Greedy: a random-weight model's sampled tokens are often pieces of one character,
-        # which vLLM sends as one delta (3 deltas for 16 tokens in one run).
-        temperature=0,
         extra_body={"ignore_eos": True},  # a vLLM extension: passes through the gateway
     )
     events = []
@@ -122,7 +119,10 @@ async def test_sdk_responses_stream_arrives_event_by_event_and_counts_one_ttft(
     assert types[-1] == "response.completed"
     deltas = [(at, e) for at, e in events if e.type == "response.output_text.delta"]
     print(f"\n{len(deltas)} text deltas for 16 tokens")
-    assert len(deltas) >= 4
+    # A random-weight model's tokens are often pieces of one character or special tokens,
+    # which vLLM sends with a later delta or not at all: 3 deltas for 16 tokens were seen,
+    # sampled and greedy alike. Each delta after the first is one ITL observation below.
+    assert len(deltas) >= 2
     completed = events[-1][1]
     usage = completed.response.usage  # type: ignore[union-attr]
     assert usage is not None
