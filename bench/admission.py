@@ -2,9 +2,11 @@
 
 ``python -m bench.admission [--duration 40] [--seeds 5]`` (``make bench-admission``)
 
-Two real vLLM CPU workers serve ``bench-llama`` (see :mod:`bench.live`), sharing one core; the
-other core is left to the gateway and this client. Three API keys map to the gateway's default
-tiers (interactive: TTFT 1 s, TPOT 100 ms; standard: TTFT 5 s, TPOT 200 ms; batch: TTFT 60 s).
+Real vLLM CPU workers serve ``bench-llama`` (see :mod:`bench.live`): two where the machine has
+a core for each besides the last, which is left to the gateway and this client; one on a
+2-core machine (:func:`scripts.vllm_worker.separate_cpus`: two on one core serve half as
+much). Three API keys map to the gateway's default tiers (interactive: TTFT 1 s, TPOT
+100 ms; standard: TTFT 5 s, TPOT 200 ms; batch: TTFT 60 s).
 Every request streams a chat completion of a prompt (a shared ~340-token system prompt and a
 user message of ~35-220 tokens of its own, see :func:`chat_prompt`) and 64 tokens out.
 
@@ -72,6 +74,7 @@ from bench.live import (
 )
 from bench.overhead import free_port, percentile
 from scripts.redis_server import RedisServer
+from scripts.vllm_worker import separate_cpus
 
 TIERS: dict[str, TierSpec] = {tier.name: tier for tier in DEFAULT_TIERS}
 MIX = (("interactive", 0.3), ("standard", 0.5), ("batch", 0.2))
@@ -691,13 +694,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run the benchmark; print the tables and checks; write the JSON file."""
     args = _parse_args(argv)
     unwind_on_sigterm()
-    # Both workers on all CPUs but one (the default): at several times capacity the gateway
-    # and this client need a core of their own, or they, not the workers, are the bottleneck.
+    # Up to two workers, each on cores of its own among all CPUs but one: at several times
+    # capacity the gateway and this client need a core of their own, or they, not the
+    # workers, are the bottleneck.
     with shared_state(args.processes) as redis:
         if args.workers:
+            fleet = "The workers given"
             report = asyncio.run(run(args, args.workers.split(","), redis))
         else:
-            specs = [bench_worker(free_port(), dev_mode=True) for _ in range(2)]
+            cpus = separate_cpus(2)
+            fleet = f"{len(cpus)} {BENCH_MODEL} worker(s) on cores of their own ({cpus})"
+            specs = [bench_worker(free_port(), each, dev_mode=True) for each in cpus]
             with running_workers(specs) as workers:
                 report = asyncio.run(run(args, [w.url for w in workers], redis))
     pod = (
@@ -706,8 +713,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         else "a one-process gateway"
     )
     print(
-        f"\nTwo {BENCH_MODEL} workers sharing one core (the other is the gateway's and the "
-        f"client's), {pod}. Capacity (highest Poisson rate at which 90% of interactive requests "
+        f"\n{fleet} (the last core is the gateway's and the client's), {pod}. "
+        "Capacity (highest Poisson rate at which 90% of interactive requests "
         f"met their SLO through a pass-through gateway): {report['capacity_rps']:.2f} req/s. "
         f"Each run: the same arrivals through a fresh gateway with admission on and off; "
         f"{args.duration:.0f} s of Poisson arrivals per load, 30% interactive / 50% standard / "

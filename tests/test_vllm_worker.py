@@ -1,10 +1,16 @@
-"""The worker launcher's choice of dtype by CPU (``scripts/vllm_worker.py``)."""
+"""The worker launcher's choice of dtype and cores by CPU (``scripts/vllm_worker.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.vllm_worker import TINY_LLAMA_HARDWARE, VllmWorker, cpu_dtype, hardware_for
+from scripts.vllm_worker import (
+    TINY_LLAMA_HARDWARE,
+    VllmWorker,
+    cpu_dtype,
+    hardware_for,
+    separate_cpus,
+)
 
 AVX2_ONLY = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -46,3 +52,21 @@ def test_the_roofline_figures_follow_the_dtype() -> None:
     assert wide["dtype_bytes"] == 4.0
     assert wide["kv_bytes_per_token"] == 2 * TINY_LLAMA_HARDWARE["kv_bytes_per_token"]
     assert wide["peak_tflops"] == TINY_LLAMA_HARDWARE["peak_tflops"]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "most", "expected"),
+    [
+        ({0}, 2, [None]),
+        ({0, 1}, 2, ["0"]),
+        ({0, 1, 2}, 2, ["0", "1"]),
+        ({0, 1, 2, 3, 4}, 2, ["0,1", "2,3"]),
+        ({2, 3, 5, 7}, 2, ["2", "3"]),
+        ({0, 1, 2, 3, 4}, 1, ["0,1,2,3"]),
+    ],
+)
+def test_workers_get_cores_of_their_own_leaving_the_last_one(
+    monkeypatch: pytest.MonkeyPatch, cpus: set[int], most: int, expected: list[str | None]
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: cpus)
+    assert separate_cpus(most) == expected
