@@ -159,6 +159,11 @@ def cpu_binding(index: int, count: int) -> str | None:
     cpus = sorted(os.sched_getaffinity(0))
     if count >= len(cpus):
         return str(cpus[index % len(cpus)])
+    return _share(cpus, index, count)
+
+
+def _share(cpus: list[int], index: int, count: int) -> str:
+    """Share ``index`` of ``count`` equal shares of ``cpus`` (as a ``cpus`` value)."""
     per = len(cpus) // count
     return ",".join(str(cpu) for cpu in cpus[index * per : (index + 1) * per])
 
@@ -193,8 +198,7 @@ def separate_cpus(most: int) -> list[str | None]:
         return [None]
     listed = sorted(parse_cpu_list(cpus))
     count = max(1, min(most, len(listed)))
-    per = len(listed) // count
-    return [",".join(str(cpu) for cpu in listed[i * per : (i + 1) * per]) for i in range(count)]
+    return [_share(listed, i, count) for i in range(count)]
 
 
 def parse_cpu_list(spec: str) -> set[int]:
