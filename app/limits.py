@@ -75,9 +75,11 @@ class Limits:
         Its feedback-steered limit, at most the hard cap and what its KV cache holds of
         requests of the typical size.
         """
-        fit = worker.kv_fit()
-        most = min(self._settings.max_running_per_worker, worker.limit.limit)
-        return most if fit >= most else max(1, math.floor(fit))
+        return _within_fit(worker, min(self._settings.max_running_per_worker, worker.limit.limit))
+
+    def hard_cap(self, worker: Worker) -> int:
+        """The most ``worker`` may ever run: the hard cap, at most what its KV cache holds."""
+        return _within_fit(worker, self._settings.max_running_per_worker)
 
     def seen_bound(self, worker: Worker, at_aim: bool = False) -> int | None:
         """What ``worker`` was seen to serve, while no measurement has set its limit.
@@ -107,10 +109,10 @@ class Limits:
         TPOT grows at most in proportion to the batch, so the limit / headroom still keeps
         the target. Bounded, as :meth:`cap` is, by the hard cap and the KV-cache fit.
         """
-        fit = worker.kv_fit()
         limit = worker.limit.value / self._settings.ttft_headroom
-        most = min(self._settings.max_running_per_worker, math.floor(limit + 1e-9))
-        return most if fit >= most else max(1, math.floor(fit))
+        return _within_fit(
+            worker, min(self._settings.max_running_per_worker, math.floor(limit + 1e-9))
+        )
 
     def _decode_fit(self, worker: Worker, aim: float) -> float:
         """How many running requests keep TPOT at the aim, by the worker's learnt decode line.
@@ -265,3 +267,9 @@ class Limits:
             metrics.worker_prefill_rate.labels(label).set(1.0 / slope if slope > 0 else 0.0)
             metrics.worker_decode_step.labels(label).set(latency.decode.predict(1))
             metrics.worker_decode_per_sequence.labels(label).set(latency.decode.slope)
+
+
+def _within_fit(worker: Worker, most: int) -> int:
+    """``most``, at most what ``worker``'s KV cache holds of requests of the typical size."""
+    fit = worker.kv_fit()
+    return most if fit >= most else max(1, math.floor(fit))

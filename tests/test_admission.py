@@ -400,8 +400,8 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
 
 
 def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
-    """A running request cannot be preempted: a higher tier uses the headroom between the aim
-    the running limit keeps and the TPOT target instead of being turned away."""
+    """A running request cannot be preempted: a higher tier goes past the limit by what lower
+    tiers run, the top tier as far as the hard cap, a middle one as far as the TPOT target."""
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock)
     worker = pool.workers["a:1"]
@@ -421,16 +421,24 @@ def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     worker.in_flight = 23
     assert admission._full(worker, interactive, reserving=False)
     assert admission._full(worker, batch, reserving=False)
-    # Never past the stretched cap, however many lower-tier requests run.
+    # A middle tier never goes past the stretched cap, however many lower-tier requests run;
+    # the top tier counts only its own against the limit (a cut left 24 running on 20).
     worker.tier_in_flight["interactive"], worker.tier_in_flight["batch"] = 5, 19
     worker.in_flight = 24
-    assert not admission._full(worker, interactive, reserving=False)
+    assert not admission._full(worker, standard, reserving=False)
     worker.in_flight = 25
+    assert admission._full(worker, standard, reserving=False)
+    assert not admission._full(worker, interactive, reserving=False)
+    worker.in_flight, worker.tier_in_flight["interactive"] = 39, 20
     assert admission._full(worker, interactive, reserving=False)
     # Nor past what the KV cache holds: 22 requests of 1,000 tokens.
     pool.record_tokens(worker, 900, 100)
     worker.load = LoadSample(0, 0, 0.0, clock.now, kv_tokens=22_000)
-    assert admission.limits.stretched_cap(worker) == 22
+    assert admission.limits.stretched_cap(worker) == admission.limits.hard_cap(worker) == 22
+    worker.in_flight, worker.tier_in_flight["interactive"] = 22, 3
+    assert admission._full(worker, interactive, reserving=False)
+    worker.in_flight = 21
+    assert not admission._full(worker, interactive, reserving=False)
 
 
 def test_a_surge_is_read_from_the_shortest_span_where_it_cannot_be_chance() -> None:
