@@ -89,11 +89,12 @@ class ConcurrencyLimit:
         ``decrease``, or 1 / ``over`` when deeper (at most to a half).
 
         Not while more run than the last cut left room for and they have not drained to it
-        since: that cut has not taken effect yet (nothing is admitted until the excess
-        drains), and the misses seen meanwhile are the excess's. Cutting on them again took a
+        since: that cut has not taken effect yet (nothing of the tiers below the top is
+        admitted until the excess drains, and the top tier's own requests stay within the
+        limit), and the misses seen meanwhile are the excess's. Cutting on them again took a
         worker settling near 25 down to 2 after a surge, and turned requests away for the ten
         seconds it took to grow back. Once drained, more may run again (a tier borrows past
-        the limit, :meth:`app.limits.Limits.stretched_cap`), and their misses cut: skipped
+        the limit, :meth:`app.admission.AdmissionController._full`), and their misses cut: skipped
         for as long as more ran than the limit, they left a limit standing through the very
         overloads borrowing let in.
         """
