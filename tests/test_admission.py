@@ -28,7 +28,7 @@ from app.limits import Limits
 from app.loadsignals import LoadSample
 from app.metrics import GatewayMetrics
 from app.outcome import DECISION_REASONS, SloResult
-from app.predictor import RecentQuantile
+from app.predictor import OnlineLinear, RecentQuantile
 from app.routing import NO_KEY, Router
 from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
@@ -587,6 +587,48 @@ def test_decode_pace_reads_the_mean_gap_per_token_once_per_window() -> None:
     for t in (2.7, 2.9, 3.1):
         pace.gap(0.1, t)
     assert pace.gap(0.1, 3.6) == pytest.approx(0.05, rel=0.01)
+
+
+async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_higher_ones() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.latency.prefill = OnlineLinear(0.0, 0.001)  # 1 ms a prompt token
+    standard, batch = _tier(settings, "standard"), _tier(settings, "batch")
+    interactive = _tier(settings, "interactive")
+    worker.prefilling, worker.prefill_tokens_ahead = 1, 300.0
+    # No higher tier in play: a standard prompt joins whatever prefills.
+    assert not admission._full(worker, standard, tokens=900)
+    # With interactive arrivals, standard and batch prompts keep the prefill ahead within
+    # 0.8 x 1 s / 2 = 0.4 s (400 tokens here); interactive itself is not held for it.
+    _arrive(admission, [(clock.now, interactive.priority)])
+    assert not admission._full(worker, standard, tokens=90)
+    assert admission._full(worker, standard, tokens=110)
+    assert admission._full(worker, batch, tokens=110, reserving=False)
+    assert not admission._full(worker, interactive, tokens=900)
+    # The first prompt always goes, however long.
+    worker.prefilling, worker.prefill_tokens_ahead = 0, 0.0
+    assert not admission._full(worker, standard, tokens=900)
+    # Below standard alone, batch keeps standard's 0.8 x 5 s / 2 = 2 s.
+    clock.now += 11.0
+    _arrive(admission, [(clock.now, standard.priority)])
+    worker.prefilling, worker.prefill_tokens_ahead = 1, 300.0
+    assert not admission._full(worker, standard, tokens=900)
+    assert not admission._full(worker, batch, tokens=1650)
+    assert admission._full(worker, batch, tokens=1750)
+
+    # Through admission: a standard request waits for the interactive prompt's first output.
+    worker.prefilling, worker.prefill_tokens_ahead = 0, 0.0
+    lease, _ = await admission.admit(_ticket(settings, clock, "interactive", tokens=300))
+    queued = asyncio.create_task(admission.admit(_ticket(settings, clock, "standard", 300)))
+    await asyncio.sleep(0)
+    assert not queued.done()
+    clock.now += 0.3
+    lease.first_output(clock.now)
+    admission.poke()
+    second, waited = await asyncio.wait_for(queued, 1.0)
+    assert second.worker is worker
+    assert waited == pytest.approx(0.3)
 
 
 async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once() -> None:
