@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 _TICK_S = 0.05
 _MAX_RETRY_AFTER_S = 60.0
+# First tokens a worker's prefill rate must be learnt from before the prefill budget holds
+# anything: the prior rate is a guess, and a budget from it held a cold burst on a worker
+# that serves any number at once.
+_MEASURED_PREFILLS = 8
 
 
 @dataclass(eq=False, slots=True)
@@ -192,9 +196,9 @@ class AdmissionController:
         (seen on a CPU worker: three standard prompts dispatched together made a 1.1 s step,
         and the four interactive requests arriving in it got their first tokens after
         1.4-2.3 s, against a 1 s target). ``tokens`` is the prompt's, less what the worker
-        should have cached.
+        should have cached. Only once the rate was learnt from a few first tokens.
         """
-        if not worker.prefilling:
+        if not worker.prefilling or worker.latency.prefill.observed < _MEASURED_PREFILLS:
             return False
         above = [p for p in self.demand.expected_slots(now) if p < tier.priority]
         if not above:

@@ -593,15 +593,19 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock)
     worker = pool.workers["a:1"]
-    worker.latency.prefill = OnlineLinear(0.0, 0.001)  # 1 ms a prompt token
+    line = worker.latency.prefill = OnlineLinear(0.0, 0.001)  # 1 ms a prompt token
     standard, batch = _tier(settings, "standard"), _tier(settings, "batch")
     interactive = _tier(settings, "interactive")
     worker.prefilling, worker.prefill_tokens_ahead = 1, 300.0
     # No higher tier in play: a standard prompt joins whatever prefills.
     assert not admission._full(worker, standard, tokens=900)
+    # Nor before the prefill rate was learnt from a few first tokens (the prior is a guess).
+    _arrive(admission, [(clock.now, interactive.priority)])
+    assert not admission._full(worker, standard, tokens=900)
+    for _ in range(8):
+        line.observe(300.0, 0.3)
     # With interactive arrivals, standard and batch prompts keep the prefill ahead within
     # 0.8 x 1 s / 2 = 0.4 s (400 tokens here); interactive itself is not held for it.
-    _arrive(admission, [(clock.now, interactive.priority)])
     assert not admission._full(worker, standard, tokens=90)
     assert admission._full(worker, standard, tokens=110)
     assert admission._full(worker, batch, tokens=110, reserving=False)
