@@ -223,10 +223,14 @@ class AdmissionController:
         # lower bound, which would read bursts below saturation as saturation.
         slots = sum(self.limits.proven_cap(w, at_aim=True) for w in candidates)
         reserving = self._reserving(slots, now)
+        # Only tiers below the top keep to the prefill budget: the top tier skips the lookup.
+        top = ticket.tier.priority == self._top
         full = frozenset(
             w.label
             for w in candidates
-            if self._full(w, ticket.tier, n, now, reserving, self._uncached(ticket, w))
+            if self._full(
+                w, ticket.tier, n, now, reserving, 0.0 if top else self._uncached(ticket, w)
+            )
         )
         if len(full) == n:
             return None
@@ -235,7 +239,7 @@ class AdmissionController:
     def _uncached(self, ticket: Ticket, worker: Worker) -> float:
         """The prompt tokens of ``ticket`` that ``worker`` is not expected to have cached."""
         prefix, tokens = ticket.route.prefix, ticket.own_tokens
-        if prefix is None or ticket.tier.priority == self._top:
+        if prefix is None:
             return tokens
         return tokens - self._router.cached_tokens(worker, prefix, tokens)
 
@@ -261,11 +265,9 @@ class AdmissionController:
         prefilled in 0.6 s), and refusing a prompt an idle worker would serve in time is the
         error that costs most.
         """
-        router, prefix, tokens = self._router, ticket.route.prefix, ticket.own_tokens
         best = math.inf
-        for worker in router.candidates(ticket.model):
-            cached = 0.0 if prefix is None else router.cached_tokens(worker, prefix, tokens)
-            best = min(best, worker.latency.prefill.slope * (tokens - cached))
+        for worker in self._router.candidates(ticket.model):
+            best = min(best, worker.latency.prefill.slope * self._uncached(ticket, worker))
         return best
 
     def _start_margin(self, ticket: Ticket, fastest: float, now: float) -> float:

@@ -35,18 +35,20 @@ class OnlineLinear:
         self._prior_intercept = intercept
         self._prior_slope = slope
         self._n = self._x = self._y = self._xx = self._xy = 0.0
-        self.observed = 0
         # Two pseudo-points on the prior line, weighted as a handful of real observations.
         for x in (0.0, 1.0):
             for _ in range(3):
-                self.observe(x, intercept + slope * x)
+                self._add(x, intercept + slope * x)
         self.observed = 0
         """Observations so far, the prior's pseudo-points not counted."""
 
     def observe(self, x: float, y: float) -> None:
         """Add one observation; older ones weigh ``decay`` times less each time."""
-        d = self._decay
         self.observed += 1
+        self._add(x, y)
+
+    def _add(self, x: float, y: float) -> None:
+        d = self._decay
         self._n = self._n * d + 1.0
         self._x = self._x * d + x
         self._y = self._y * d + y
