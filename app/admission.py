@@ -58,6 +58,10 @@ _MAX_RETRY_AFTER_S = 60.0
 # anything: the prior rate is a guess, and a budget from it held a cold burst on a worker
 # that serves any number at once.
 _MEASURED_PREFILLS = 8
+# Higher-tier requests expected to arrive at a worker during a step before the prefill budget
+# holds a lower tier's prompt out of it: below saturation they rarely come, and holding the
+# prompt only queues it on a worker with room.
+_LIKELY_ARRIVALS = 0.5
 
 
 @dataclass(eq=False, slots=True)
@@ -176,14 +180,18 @@ class AdmissionController:
                 prefill_cap -= min(prefill_cap - 1, 1)
         if limits.occupied(worker, now) >= cap:
             return True
-        if tier is not None and tokens and self._prefill_over_budget(worker, tier, tokens, now):
+        if (
+            tier is not None
+            and tokens
+            and self._prefill_over_budget(worker, tier, tokens, workers, now)
+        ):
             return True
         # The top tier is not held back for prefill room: nobody may go ahead of it, and among
         # its own requests the gateway's queue is first come, first served, as vLLM's is.
         return (tier is None or tier.priority != self._top) and worker.prefilling >= prefill_cap
 
     def _prefill_over_budget(
-        self, worker: Worker, tier: TierSpec, tokens: float, now: float
+        self, worker: Worker, tier: TierSpec, tokens: float, workers: int, now: float
     ) -> bool:
         """Whether a prompt of ``tier`` would queue too much prefill ahead of a higher tier.
 
@@ -196,17 +204,23 @@ class AdmissionController:
         (seen on a CPU worker: three standard prompts dispatched together made a 1.1 s step,
         and the four interactive requests arriving in it got their first tokens after
         1.4-2.3 s, against a 1 s target). ``tokens`` is the prompt's, less what the worker
-        should have cached. Only once the rate was learnt from a few first tokens.
+        should have cached. Only once the rate was learnt from a few first tokens, and only
+        while the tiers above arrive often enough that one of their requests is likely during
+        that step (``_LIKELY_ARRIVALS`` at their recent rate, shared over ``workers``): below
+        saturation the step usually passes with none, and the hold would only queue a prompt
+        on a worker with room.
         """
         if not worker.prefilling or worker.latency.prefill.observed < _MEASURED_PREFILLS:
             return False
-        above = [p for p in self.demand.expected_slots(now) if p < tier.priority]
+        above = {p: r for p, r in self.demand.arrival_rates(now).items() if p < tier.priority}
         if not above:
             return False
         target = min(self._ttft_by_priority[p] for p in above)
         budget = self._settings.ttft_headroom * target / 2
         seconds = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
-        return seconds > budget
+        if seconds <= budget:
+            return False
+        return sum(above.values()) / max(workers, 1) * seconds >= _LIKELY_ARRIVALS
 
     def _try(self, ticket: Ticket, now: float) -> Choice | None:
         """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).

@@ -176,11 +176,11 @@ class TierDemand:
 
     def _expected(self, now: float, held: Mapping[int, float]) -> dict[int, float]:
         """Per tier priority: its arrival rate now x its mean hold in ``held``."""
-        rates = self._arrival_rates(now)
+        rates = self.arrival_rates(now)
         fallback = max(held.values(), default=0.0)
         return {p: rate * held.get(p, fallback) for p, rate in rates.items()}
 
-    def _arrival_rates(self, now: float) -> dict[int, float]:
+    def arrival_rates(self, now: float) -> dict[int, float]:
         """Per tier priority, the arrival rate :meth:`expected_slots` describes (once per now)."""
         if self._rates[0] == now:
             return self._rates[1]

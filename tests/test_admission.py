@@ -604,8 +604,10 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     assert not admission._full(worker, standard, tokens=900)
     for _ in range(8):
         line.observe(300.0, 0.3)
-    # With interactive arrivals, standard and batch prompts keep the prefill ahead within
-    # 0.8 x 1 s / 2 = 0.4 s (400 tokens here); interactive itself is not held for it.
+    # With interactive arrivals (2 a second: one expected in a step of 0.25 s or more),
+    # standard and batch prompts keep the prefill ahead within 0.8 x 1 s / 2 = 0.4 s (400
+    # tokens here); interactive itself is not held for it.
+    _arrive(admission, [(clock.now, interactive.priority)])
     assert not admission._full(worker, standard, tokens=90)
     assert admission._full(worker, standard, tokens=110)
     assert admission._full(worker, batch, tokens=110, reserving=False)
@@ -620,6 +622,15 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     assert not admission._full(worker, standard, tokens=900)
     assert not admission._full(worker, batch, tokens=1650)
     assert admission._full(worker, batch, tokens=1750)
+    # Interactive requests arriving once in 9 s: one is unlikely in a 0.41 s step (0.09 of
+    # one expected), and the standard prompt goes.
+    clock.now += 11.0
+    _arrive(admission, [(clock.now - 9.0, interactive.priority), (clock.now, interactive.priority)])
+    assert not admission._full(worker, standard, tokens=110)
+    # Arriving every 0.8 s they are likely (0.55 expected): it waits.
+    clock.now += 11.0
+    _arrive(admission, [(clock.now - 9.0 + 0.8 * k, interactive.priority) for k in range(12)])
+    assert admission._full(worker, standard, tokens=110)
 
     # Through admission: a standard request waits for the interactive prompt's first output.
     worker.prefilling, worker.prefill_tokens_ahead = 0, 0.0
