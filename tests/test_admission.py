@@ -431,6 +431,21 @@ def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     assert not admission._full(worker, interactive, reserving=False)
     worker.in_flight, worker.tier_in_flight["interactive"] = 39, 20
     assert admission._full(worker, interactive, reserving=False)
+    # A worker seen to serve 23 with a stream within the aim: the top tier's own count goes
+    # to 23 under a limit cut to 20, the others' limits stay.
+    worker.served_within_aim = 23.4
+    assert not admission._full(worker, interactive, reserving=False)
+    worker.tier_in_flight["interactive"] = 23
+    worker.in_flight = 42
+    assert admission._full(worker, interactive, reserving=False)
+    worker.in_flight = worker.tier_in_flight["interactive"] = 22
+    worker.tier_in_flight["batch"] = 0
+    assert not admission._full(worker, interactive, reserving=False)
+    assert admission._full(worker, standard, reserving=False)
+    worker.in_flight = worker.tier_in_flight["interactive"] = 23
+    assert admission._full(worker, interactive, reserving=False)
+    worker.served_within_aim = 0.0
+    worker.tier_in_flight["batch"] = 19
     # Nor past what the KV cache holds: 22 requests of 1,000 tokens.
     pool.record_tokens(worker, 900, 100)
     worker.load = LoadSample(0, 0, 0.0, clock.now, kv_tokens=22_000)
