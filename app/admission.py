@@ -132,24 +132,25 @@ class AdmissionController:
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
-        The worker says it is full, or it runs at its limit, or (below the top tier) it prefills at
-        its limit. While lower tiers' requests run on it, a tier may go past the running limit by as
-        many: a running request cannot be preempted, so without that a slot handed to a lower tier
-        while the pool had room would turn away a higher tier's request that pass-through would have
-        served in time. The top tier's own requests alone count against the limit (up to
-        :meth:`app.limits.Limits.hard_cap`): when a cut leaves more running than the limit, those
-        over it are lower tiers', which then wait until the batch is back under their limits; the
-        top tier does not wait for the streams it would have gone ahead of. Nor for a cut below the
-        load the worker was seen to serve with a stream within the aim
-        (:attr:`app.workers.Worker.served_within_aim`): its own requests count against the larger of
-        the two. A middle tier goes past by as many, up to :meth:`app.limits.Limits.stretched_cap`.
-        When ``reserving`` (the pool is expected to saturate), the limits are lower below a tier
-        that has had requests in the last seconds: the running slots that tier is expected to need
-        (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for it,
-        leaving a lower tier at least the last slot of an otherwise empty worker. They come out of
-        :meth:`app.limits.Limits.proven_cap`, without the stretch: while a higher tier is expected,
-        a lower one does not take the batch past the aim. Below a tier with recent requests, a
-        prompt of ``tokens`` uncached tokens also keeps to the prefill budget
+        The worker says it is full, or it runs at its limit, or (below the top tier) it prefills
+        at its limit. While lower tiers' requests run on it, a tier may go past the running
+        limit by as many: a running request cannot be preempted, so without that a slot handed
+        to a lower tier while the pool had room would turn away a higher tier's request that
+        pass-through would have served in time. The top tier's own requests alone count against
+        the limit (up to :meth:`app.limits.Limits.hard_cap`): when a cut leaves more running
+        than the limit, those over it are lower tiers', which then wait until the batch is back
+        under their limits; the top tier does not wait for the streams it would have gone ahead
+        of. Nor for a cut below the load the worker was seen to serve with a stream within the
+        aim (:attr:`app.workers.Worker.served_within_aim`): its own requests count against the
+        larger of the two. A middle tier goes past by as many, up to
+        :meth:`app.limits.Limits.stretched_cap`. When ``reserving`` (the pool is expected to
+        saturate), the limits are lower below a tier that has had requests in the last seconds:
+        the running slots that tier is expected to need
+        (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for
+        it, leaving a lower tier at least the last slot of an otherwise empty worker. They come
+        out of :meth:`app.limits.Limits.proven_cap`, without the stretch: while a higher tier is
+        expected, a lower one does not take the batch past the aim. Below a tier with recent
+        requests, a prompt of ``tokens`` uncached tokens also keeps to the prefill budget
         (:meth:`_prefill_over_budget`).
         """
         now = self._clock() if now is None else now
