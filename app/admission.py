@@ -140,9 +140,8 @@ class AdmissionController:
         the limit (up to :meth:`app.limits.Limits.hard_cap`): when a cut leaves more running
         than the limit, those over it are lower tiers', which then wait until the batch is back
         under their limits; the top tier does not wait for the streams it would have gone ahead
-        of. Nor for a cut below the load the worker was seen to serve with a stream within the
-        aim (:attr:`app.workers.Worker.served_within_aim`): its own requests count against the
-        larger of the two. A middle tier goes past by as many, up to
+        of, nor for a cut below the load the worker was seen to serve within the aim
+        (:meth:`app.limits.Limits.top_cap`). A middle tier goes past by as many, up to
         :meth:`app.limits.Limits.stretched_cap`. When ``reserving`` (the pool is expected to
         saturate), the limits are lower below a tier that has had requests in the last seconds:
         the running slots that tier is expected to need
@@ -167,12 +166,7 @@ class AdmissionController:
                 elif priorities[name] > mine:
                     below += n
             if mine == self._top:
-                # A cut often reads seconds of prefill stalls that the streams living through
-                # them absorb: the top tier's own count is held only past the larger of the
-                # limit and the load the worker served with a stream within the aim.
-                hard = limits.hard_cap(worker)
-                own = max(cap, min(hard, math.floor(worker.served_within_aim)))
-                cap = max(cap, min(hard, own + below))
+                cap = min(limits.hard_cap(worker), limits.top_cap(worker) + below)
             elif below:
                 cap = max(cap, min(limits.stretched_cap(worker), cap + below))
             demand = self.demand

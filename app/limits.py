@@ -102,6 +102,18 @@ class Limits:
         cap, seen = self.cap(worker), self.seen_bound(worker, at_aim)
         return cap if seen is None else min(cap, seen)
 
+    def top_cap(self, worker: Worker) -> int:
+        """The most of the top tier's own requests ``worker`` may run.
+
+        :meth:`cap`, or the load the worker was seen to serve with a stream within the aim
+        (:attr:`app.workers.Worker.served_within_aim`) when that is higher, within
+        :meth:`hard_cap`: a cut often reads seconds of prefill stalls that the streams living
+        through them absorb, and the top tier held under it was turned away while they went on
+        within their targets.
+        """
+        seen = min(self.hard_cap(worker), math.floor(worker.served_within_aim))
+        return max(self.cap(worker), seen)
+
     def stretched_cap(self, worker: Worker) -> int:
         """The most ``worker`` may run when the extra requests keep TPOT within its target.
 
