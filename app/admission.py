@@ -8,7 +8,8 @@ once. It acts only when a worker has no room:
   the scrape is counted from its own books);
 * or a limit learnt from latencies is reached (:mod:`app.limiter`): the running limit keeps
   the strictest TPOT target of the tiers in play, the prefill limit keeps the worker's own
-  time to first token within half their strictest TTFT target. Both start at the hard cap
+  time to first token within half their strictest TTFT target (holding a prompt only while a
+  higher tier's request prefills there or is likely to arrive). Both start at the hard cap
   and come down only on evidence;
 * or the slots the tiers above are expected to need are all that is left (:mod:`app.demand`);
 * or, below a tier with recent requests, the prompts prefilling on the worker and this one
@@ -132,24 +133,24 @@ class AdmissionController:
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
-        The worker says it is full, or it runs at its limit, or (below the top tier) it prefills
-        at its limit. While lower tiers' requests run on it, a tier may go past the running
-        limit by as many: a running request cannot be preempted, so without that a slot handed
-        to a lower tier while the pool had room would turn away a higher tier's request that
-        pass-through would have served in time. The top tier's own requests alone count against
-        the limit (up to :meth:`app.limits.Limits.hard_cap`): when a cut leaves more running
-        than the limit, those over it are lower tiers', which then wait until the batch is back
-        under their limits; the top tier does not wait for the streams it would have gone ahead
-        of, nor for a cut below the load the worker was seen to serve within the aim
-        (:meth:`app.limits.Limits.top_cap`). A middle tier goes past by as many, up to
-        :meth:`app.limits.Limits.stretched_cap`. When ``reserving`` (the pool is expected to
-        saturate), the limits are lower below a tier that has had requests in the last seconds:
-        the running slots that tier is expected to need
-        (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for
-        it, leaving a lower tier at least the last slot of an otherwise empty worker. They come
-        out of :meth:`app.limits.Limits.proven_cap`, without the stretch: while a higher tier is
-        expected, a lower one does not take the batch past the aim. Below a tier with recent
-        requests, a prompt of ``tokens`` uncached tokens also keeps to the prefill budget
+        The worker says it is full, or it runs at its limit, or (below the top tier) it prefills at
+        its limit while a higher tier's request would wait (:meth:`_prefill_limit_holds`). While
+        lower tiers' requests run on it, a tier may go past the running limit by as many: a running
+        request cannot be preempted, so without that a slot handed to a lower tier while the pool
+        had room would turn away a higher tier's request that pass-through would have served in
+        time. The top tier's own requests alone count against the limit (up to
+        :meth:`app.limits.Limits.hard_cap`): when a cut leaves more running than the limit, those
+        over it are lower tiers', which then wait until the batch is back under their limits; the
+        top tier does not wait for the streams it would have gone ahead of, nor for a cut below the
+        load the worker was seen to serve within the aim (:meth:`app.limits.Limits.top_cap`). A
+        middle tier goes past by as many, up to :meth:`app.limits.Limits.stretched_cap`. When
+        ``reserving`` (the pool is expected to saturate), the limits are lower below a tier that has
+        had requests in the last seconds: the running slots that tier is expected to need
+        (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for it,
+        leaving a lower tier at least the last slot of an otherwise empty worker. They come out of
+        :meth:`app.limits.Limits.proven_cap`, without the stretch: while a higher tier is expected,
+        a lower one does not take the batch past the aim. Below a tier with recent requests, a
+        prompt of ``tokens`` uncached tokens also keeps to the prefill budget
         (:meth:`_prefill_over_budget`).
         """
         now = self._clock() if now is None else now
@@ -189,7 +190,34 @@ class AdmissionController:
             return True
         # The top tier is not held back for prefill room: nobody may go ahead of it, and among
         # its own requests the gateway's queue is first come, first served, as vLLM's is.
-        return (tier is None or tier.priority != self._top) and worker.prefilling >= prefill_cap
+        if tier is not None and tier.priority == self._top:
+            return False
+        return worker.prefilling >= prefill_cap and (
+            tier is None or self._prefill_limit_holds(worker, tier, tokens, workers, now)
+        )
+
+    def _prefill_limit_holds(
+        self, worker: Worker, tier: TierSpec, tokens: float, workers: int, now: float
+    ) -> bool:
+        """Whether a prompt of ``tier`` waits for ``worker``, at its prefill limit.
+
+        Only while a request of a tier above would wait for it: one prefills on ``worker``
+        now, or one is likely to arrive there while the prompts ahead and this one prefill
+        (``_LIKELY_ARRIVALS`` at those tiers' recent rate, shared over ``workers``, as for the
+        prefill budget), or the worker's prefill rate is not learnt yet. The limit is there
+        for the first tokens of the tiers above; with none of them near, holding only queues a
+        prompt on a worker with room (seen on a CPU worker whose prompts took 0.4-0.6 s alone,
+        near the limit's 0.5 s target: at 0.75x of capacity, the limit cut to 1 queued 8 of
+        23 requests for up to 1 s, where none needed it).
+        """
+        if worker.latency.prefill.observed < _MEASURED_PREFILLS:
+            return True
+        priorities, mine = self._priorities, tier.priority
+        if any(n and priorities[name] < mine for name, n in worker.tier_prefilling.items()):
+            return True
+        rate = sum(r for p, r in self.demand.arrival_rates(now).items() if p < mine)
+        seconds = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
+        return rate / max(workers, 1) * seconds >= _LIKELY_ARRIVALS
 
     def _prefill_over_budget(
         self, worker: Worker, tier: TierSpec, tokens: float, workers: int, now: float

@@ -41,6 +41,7 @@ class Lease:
         worker.add_in_flight(1, now)
         worker.tier_in_flight[tier] += 1
         worker.prefilling += 1
+        worker.tier_prefilling[tier] += 1
         worker.prefill_tokens_ahead += own_tokens
         self.prefill_peers = worker.prefilling
         """How many were prefilling on the worker when this one joined, itself included."""
@@ -59,6 +60,7 @@ class Lease:
         self.first_occupancy = worker.occupancy(at)
         worker.prefill_tokens_ahead -= self.own_tokens
         worker.prefilling -= 1
+        worker.tier_prefilling[self.tier] -= 1
         return True
 
     def output_gap(self, gap: float, at: float) -> float | None:
@@ -94,5 +96,6 @@ class Lease:
         if self.first is None:
             worker.prefill_tokens_ahead -= self.own_tokens
             worker.prefilling -= 1
+            worker.tier_prefilling[self.tier] -= 1
         self._metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
         return True

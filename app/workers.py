@@ -60,6 +60,8 @@ class Worker:
         self.tier_in_flight: Counter[str] = Counter()
         """Of ``in_flight``, how many per tier (admission keeps capacity for higher tiers)."""
         self.prefill_tokens_ahead = 0.0
+        self.tier_prefilling: Counter[str] = Counter()
+        """Of ``prefilling``, how many per tier (a lower tier's prompt waits for a higher one)."""
         self.failures = 0
         self.ejections = 0
         self.ejected_until: float | None = None

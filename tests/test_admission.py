@@ -29,7 +29,7 @@ from app.loadsignals import LoadSample
 from app.metrics import GatewayMetrics
 from app.outcome import DECISION_REASONS, SloResult
 from app.predictor import OnlineLinear, RecentQuantile
-from app.routing import NO_KEY, Router
+from app.routing import NO_KEY, Choice, Router
 from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
 from app.workers import Worker, WorkerPool
@@ -659,6 +659,40 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     second, waited = await asyncio.wait_for(queued, 1.0)
     assert second.worker is worker
     assert waited == pytest.approx(0.3)
+
+
+def test_the_prefill_limit_holds_a_lower_tier_only_while_a_higher_one_would_wait() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.prefill_limit = ConcurrencyLimit(initial=1, maximum=256)
+    standard, batch = _tier(settings, "standard"), _tier(settings, "batch")
+    interactive = _tier(settings, "interactive")
+    first = admission.lease(Choice(worker, 0.0, 0.0), _ticket(settings, clock, "standard", 300))
+    assert (worker.prefilling, worker.tier_prefilling["standard"]) == (1, 1)
+    # Before the prefill rate was learnt, the limit holds every tier below the top.
+    assert admission._full(worker, batch, reserving=False, tokens=300)
+    line = worker.latency.prefill = OnlineLinear(0.0, 0.001)  # 1 ms a prompt token
+    for _ in range(8):
+        line.observe(300.0, 0.3)
+    # Then, with no higher tier arriving, a standard prompt joins the one prefilling, and
+    # batch, below the standard prompt prefilling, waits for it.
+    assert not admission._full(worker, standard, reserving=False, tokens=300)
+    assert admission._full(worker, batch, reserving=False, tokens=300)
+    # Interactive arriving once in 9 s: 0.2 a second, 0.12 expected in the 0.6 s of prefill.
+    _arrive(admission, [(clock.now - 9.0, interactive.priority), (clock.now, interactive.priority)])
+    assert not admission._full(worker, standard, reserving=False, tokens=300)
+    # Twice a second: 1.2 expected, and the prompt waits.
+    _arrive(admission, [(clock.now, interactive.priority)] * 20)
+    assert admission._full(worker, standard, reserving=False, tokens=300)
+    # Once an interactive request prefills, it waits whatever the rate.
+    clock.now += 11.0
+    first.first_output(clock.now)
+    assert worker.tier_prefilling["standard"] == 0
+    assert not admission._full(worker, standard, reserving=False, tokens=300)
+    admission.lease(Choice(worker, 0.0, 0.0), _ticket(settings, clock, "interactive", 300))
+    assert admission._full(worker, standard, reserving=False, tokens=300)
+    assert not admission._full(worker, interactive, tokens=300)
 
 
 async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once() -> None:
