@@ -215,8 +215,16 @@ class AdmissionController:
         priorities, mine = self._priorities, tier.priority
         if any(n and priorities[name] < mine for name, n in worker.tier_prefilling.items()):
             return True
-        rate = sum(r for p, r in self.demand.arrival_rates(now).items() if p < mine)
         seconds = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
+        return self._higher_likely(tier, workers, seconds, now)
+
+    def _higher_likely(self, tier: TierSpec, workers: int, seconds: float, now: float) -> bool:
+        """Whether a request of a tier above ``tier`` is likely at a worker within ``seconds``.
+
+        ``_LIKELY_ARRIVALS`` or more expected at those tiers' recent arrival rate, shared over
+        ``workers``: the test by which the prefill limit and the prefill budget hold a prompt.
+        """
+        rate = sum(r for p, r in self.demand.arrival_rates(now).items() if p < tier.priority)
         return rate / max(workers, 1) * seconds >= _LIKELY_ARRIVALS
 
     def _prefill_over_budget(
@@ -249,7 +257,7 @@ class AdmissionController:
         seconds = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
         if seconds <= budget:
             return False
-        return sum(above.values()) / max(workers, 1) * seconds >= _LIKELY_ARRIVALS
+        return self._higher_likely(tier, workers, seconds, now)
 
     def _try(self, ticket: Ticket, now: float) -> Choice | None:
         """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).
