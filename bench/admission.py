@@ -14,7 +14,8 @@ user message of ~35-220 tokens of its own, see :func:`chat_prompt`) and 64 token
    8, ... req/s (or 5, 4, ..., 1, 0.5, 0.25 if 6 fails) through the gateway with admission
    off, each step two runs of ``--calibrate`` seconds with different arrivals; the capacity is
    the highest rate (to half a step) at which 90% of the requests of both runs sent after
-   the first quarter of each met the interactive SLO (``--capacity`` takes a figure instead).
+   the first quarter of each met the interactive SLO (``--capacity`` takes a figure instead);
+   a step is given up, its requests cancelled, once more than 10% of them missed.
 2. The sweep: at 0.25, 0.5, 0.75, 1, 1.5, 2 and 3 x capacity, the same Poisson arrivals (a
    30/50/20 interactive/standard/batch mix, ``--duration`` seconds) through a fresh gateway
    with admission on and off (plain pass-through), each after a short warm-up at capacity
@@ -85,6 +86,7 @@ CALIBRATION_RUNS = 2
 CALIBRATION_START_RPS = 6.0
 CALIBRATION_MIN_RPS = 0.25
 CALIBRATION_MAX_RPS = 30.0
+GIVE_UP_CHECK_S = 0.1
 LOADS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 COLD_BURST = 64
 BURSTY = ((5.0, 2.0), (5.0, 0.25)) * 4
@@ -145,17 +147,42 @@ def met_slo(outcome: Outcome, tier: TierSpec) -> bool:
     return tier.tpot_slo_s is None or (outcome.tpot is not None and outcome.tpot <= tier.tpot_slo_s)
 
 
+def certain_miss(outcome: Outcome, tier: TierSpec, now: float) -> bool:
+    """Whether a request, answered or still running at ``now``, can no longer meet its SLO.
+
+    An answered one is judged by :func:`met_slo`; one still running misses once its first
+    token is later than the target, whether it has come yet or not; an unsent one (``sent``
+    still ahead) does not.
+    """
+    if outcome.e2e is not None or outcome.error is not None:
+        return not met_slo(outcome, tier)
+    if outcome.sent > now:
+        return False
+    first = outcome.ttft if outcome.ttft is not None else now - outcome.sent
+    return first > tier.ttft_slo_s
+
+
 async def drive(
-    gateway: str, arrivals: Sequence[Arrival], keys: Mapping[str, str]
+    gateway: str,
+    arrivals: Sequence[Arrival],
+    keys: Mapping[str, str],
+    give_up: Callable[[Sequence[Outcome], float], bool] | None = None,
 ) -> list[Outcome]:
-    """Send every arrival at its time (open loop); wait for every answer."""
+    """Send every arrival at its time (open loop); wait for every answer.
+
+    ``give_up(outcomes, now)`` is asked every ``GIVE_UP_CHECK_S`` while requests run (an
+    outcome not sent yet has ``sent`` = inf); once it says so, the requests still running are
+    cancelled (their streams closed, which the gateway passes on to the worker) and the rest
+    are never sent.
+    """
+    outcomes = [Outcome(tag=a.tier, sent=math.inf) for a in arrivals]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
 
-        async def one(arrival: Arrival) -> Outcome:
+        async def one(arrival: Arrival, outcome: Outcome) -> None:
             await asyncio.sleep(max(0.0, start + arrival.offset - time.perf_counter()))
-            return await stream_chat(
+            await stream_chat(
                 client,
                 gateway,
                 model=BENCH_MODEL,
@@ -163,9 +190,20 @@ async def drive(
                 max_tokens=MAX_TOKENS,
                 tag=arrival.tier,
                 headers={"authorization": f"Bearer {keys[arrival.tier]}"},
+                outcome=outcome,
             )
 
-        return await asyncio.gather(*(one(a) for a in arrivals))
+        everything = asyncio.gather(*(one(a, o) for a, o in zip(arrivals, outcomes, strict=True)))
+        while give_up is not None and not everything.done():
+            await asyncio.wait([everything], timeout=GIVE_UP_CHECK_S)
+            if not everything.done() and give_up(outcomes, time.perf_counter()):
+                everything.cancel()
+                await asyncio.wait([everything])
+                if not everything.cancelled():
+                    everything.exception()  # the cancellation just asked for: retrieved
+                return outcomes
+        await everything
+    return outcomes
 
 
 _SAMPLED = (
@@ -238,25 +276,46 @@ async def closed_loop(
 
 
 async def attainment_at(
-    gateway: str, rate: float, seconds: float, keys: Mapping[str, str], rng: random.Random
+    gateway: str,
+    arrivals: Sequence[Arrival],
+    seconds: float,
+    keys: Mapping[str, str],
+    allowed_misses: float = math.inf,
 ) -> dict[str, float]:
-    """Interactive requests at ``rate`` (Poisson) for ``seconds``: the share meeting the SLO.
+    """Interactive requests at ``arrivals``' times: the share meeting the SLO.
 
-    Counted over the requests sent after the first quarter of the step (steady state).
+    Counted over the requests sent after the first quarter of the ``seconds`` (steady state).
+    Once more than ``allowed_misses`` of those have certainly missed (:func:`certain_miss`),
+    the run is given up (``abandoned``: the rate has failed, and an overload's backlog would
+    otherwise take minutes to drain on a slow worker).
     """
     strict = TIERS["interactive"]
-    arrivals = [Arrival(a.offset, "interactive", a.prompt) for a in workload(rate, seconds, rng)]
-    outcomes = await drive(gateway, arrivals, keys)
     # Steady state: the first quarter, while the batch fills from empty, is left out.
-    outcomes = [o for o, a in zip(outcomes, arrivals, strict=True) if a.offset >= seconds / 4]
+    counted = [a.offset >= seconds / 4 for a in arrivals]
+
+    def missed(outcomes: Sequence[Outcome], now: float) -> int:
+        return sum(
+            c and certain_miss(o, strict, now) for c, o in zip(counted, outcomes, strict=True)
+        )
+
+    def give_up(outcomes: Sequence[Outcome], now: float) -> bool:
+        return missed(outcomes, now) > allowed_misses
+
+    everything = await drive(gateway, arrivals, keys, give_up)
+    rate = len(arrivals) / seconds
+    misses = missed(everything, time.perf_counter())
+    if misses > allowed_misses:
+        log(f"calibration: {rate:.1f} req/s: given up after {misses} of {sum(counted)} missed")
+        return {"rps": rate, "sent": sum(counted), "missed": misses, "abandoned": 1.0}
+    outcomes = [o for o, c in zip(everything, counted, strict=True) if c]
     met = sum(met_slo(o, strict) for o in outcomes) / max(len(outcomes), 1)
     ok = [o for o in outcomes if o.ok]
     ttft = percentile([o.ttft for o in ok if o.ttft is not None], 90)
     tpot = percentile([o.tpot for o in ok if o.tpot is not None], 90)
     log(f"calibration: {rate:.1f} req/s: {100 * met:.1f}% met the interactive SLO, TTFT p90 "
         f"{ttft * 1000:.0f} ms, TPOT p90 {tpot * 1000:.1f} ms")  # fmt: skip
-    return {"rps": rate, "sent": len(outcomes), "attainment": met, "ttft_p90_s": ttft,
-            "tpot_p90_s": tpot}  # fmt: skip
+    return {"rps": rate, "sent": len(outcomes), "missed": misses, "attainment": met,
+            "ttft_p90_s": ttft, "tpot_p90_s": tpot}  # fmt: skip
 
 
 async def calibrate(
@@ -270,19 +329,30 @@ async def calibrate(
     then the half step between the last passing and the first failing rate
     (:func:`search_capacity`). Each step is ``CALIBRATION_RUNS`` runs of ``seconds`` with
     different arrivals, every answer awaited before the next run, and passes when 90% of their
-    requests together met the SLO. Runs must be long enough for an overload's backlog to build
-    up: 15-second steps were seen to pass at 11 req/s where 40 seconds at 10 req/s left 22%
-    within the SLO. And one run is not enough: near the knee a pass-through either keeps up or
-    its backlog runs away, depending on the bursts in that one sequence (on this machine 40-s
-    runs at 9.5 req/s met 99-100% in some runs, 1-64% in others).
+    requests together met the SLO; it fails as soon as more than 10% of them have certainly
+    missed (the rest are then cancelled). Runs must be long enough for an overload's backlog
+    to build up: 15-second steps were seen to pass at 11 req/s where 40 seconds at 10 req/s
+    left 22% within the SLO. And one run is not enough: near the knee a pass-through either
+    keeps up or its backlog runs away, depending on the bursts in that one sequence (on this
+    machine 40-s runs at 9.5 req/s met 99-100% in some runs, 1-64% in others).
     Returns the capacity and every run's figures.
     """
     steps: list[dict[str, float]] = []
 
     async def step(rate: float) -> bool:
-        runs = [
-            await attainment_at(gateway, rate, seconds, keys, rng) for _ in range(CALIBRATION_RUNS)
+        draws = [
+            [Arrival(a.offset, "interactive", a.prompt) for a in workload(rate, seconds, rng)]
+            for _ in range(CALIBRATION_RUNS)
         ]
+        counted = sum(a.offset >= seconds / 4 for arrivals in draws for a in arrivals)
+        allowed: float = math.floor(counted * (1 - CALIBRATION_ATTAINMENT) + 1e-9)
+        runs: list[dict[str, float]] = []
+        for arrivals in draws:
+            runs.append(await attainment_at(gateway, arrivals, seconds, keys, allowed))
+            allowed -= runs[-1]["missed"]
+            if runs[-1].get("abandoned"):
+                steps.extend(runs)
+                return False
         steps.extend(runs)
         sent = sum(run["sent"] for run in runs)
         met = sum(run["attainment"] * run["sent"] for run in runs) / max(sent, 1)

@@ -221,11 +221,13 @@ async def stream_chat(
     max_tokens: int,
     tag: str = "",
     headers: Mapping[str, str] | None = None,
+    outcome: Outcome | None = None,
 ) -> Outcome:
     """One streamed chat completion, timed on this process's monotonic clock.
 
     TTFT is send to first content event; TPOT is (E2E - TTFT) / (tokens - 1) with the tokens
     from the usage chunk. Events are told apart by a byte scan; only the usage chunk is parsed.
+    Given an ``outcome``, fills that one as the stream goes, so that a caller can watch it.
     """
     body = {
         "model": model,
@@ -236,7 +238,10 @@ async def stream_chat(
         "stream_options": {"include_usage": True},
     }
     sent = time.perf_counter()
-    outcome = Outcome(tag=tag, sent=sent)
+    if outcome is None:
+        outcome = Outcome(tag=tag, sent=sent)
+    else:
+        outcome.sent = sent
     try:
         async with client.stream(
             "POST", f"{url}/v1/chat/completions", json=body, headers=dict(headers or {})

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from bench.admission import (
+    TIERS,
+    Arrival,
     _parse_args,
+    certain_miss,
     checks,
+    drive,
     limit_cuts,
     parse_sample,
     search_capacity,
     sent,
     workload,
 )
+from bench.fake_worker import FakeWorker, WorkerConfig, bound_port
+from bench.live import BENCH_MODEL, Outcome
 
 _PAGE = """\
 # TYPE gateway_worker_limit_cuts_total counter
@@ -99,3 +106,47 @@ def test_tiers_sent_alone_keep_the_times_and_prompts_the_whole_mix_drew() -> Non
     assert _parse_args(["--tiers", "interactive,batch"]).tiers == "interactive,batch"
     with pytest.raises(SystemExit):
         _parse_args(["--tiers", "interactive,premium"])
+
+
+def test_a_request_is_a_certain_miss_once_its_first_token_is_late_or_it_failed() -> None:
+    tier = TIERS["interactive"]  # TTFT 1 s, TPOT 100 ms
+    running = Outcome(tag="interactive", sent=10.0)
+    assert not certain_miss(Outcome(tag="interactive", sent=float("inf")), tier, now=99.0)
+    assert not certain_miss(running, tier, now=10.9)
+    assert certain_miss(running, tier, now=11.1)  # no first token after 1.1 s
+    running.ttft = 0.4
+    assert not certain_miss(running, tier, now=30.0)  # on time; its TPOT is not known yet
+    running.ttft = 1.2
+    assert certain_miss(running, tier, now=11.3)
+    answered = Outcome(tag="interactive", sent=10.0, status=200, ttft=0.5, tpot=0.05, e2e=3.7)
+    assert not certain_miss(answered, tier, now=14.0)
+    answered.tpot = 0.15
+    assert certain_miss(answered, tier, now=14.0)
+    failed = Outcome(tag="interactive", sent=10.0, status=503, error="http 503 shed")
+    assert certain_miss(failed, tier, now=10.1)
+
+
+async def test_a_drive_given_up_cancels_what_runs_and_sends_nothing_more() -> None:
+    fake = FakeWorker(WorkerConfig(ttft_ms=1500.0, itl_ms=10.0, model=BENCH_MODEL))
+    server = await fake.serve("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{bound_port(server)}"
+    early = [Arrival(0.05 * k, "interactive", "hello there") for k in range(4)]
+    late = [Arrival(60.0, "interactive", "hello there") for _ in range(2)]
+
+    def give_up(outcomes: Sequence[Outcome], now: float) -> bool:
+        return any(certain_miss(o, TIERS["interactive"], now) for o in outcomes)
+
+    try:
+        outcomes = await drive(url, early + late, {"interactive": "sk-x"}, give_up)
+        for _ in range(100):  # the worker sees each closed stream a moment later
+            if fake.stats.cancelled == len(early):
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert fake.stats.started == len(early)
+    assert fake.stats.cancelled == len(early)
+    assert fake.stats.completed == 0
+    assert all(o.ttft is None for o in outcomes)
+    assert [o.sent for o in outcomes[len(early) :]] == [float("inf")] * len(late)
