@@ -44,7 +44,7 @@ class Limits:
         self._metrics = metrics
         self._lag = lag
         strictest = settings.strictest_tpot_s
-        self.tpot_aim = None if strictest is None else settings.ttft_headroom * strictest
+        self.tpot_aim = None if strictest is None else settings.tpot_headroom * strictest
         """The strictest tier's TPOT aim, whether it is in play or not."""
         self._last_arrival: dict[str, float] = {}
 
@@ -121,7 +121,7 @@ class Limits:
         TPOT grows at most in proportion to the batch, so the limit / headroom still keeps
         the target. Bounded, as :meth:`cap` is, by the hard cap and the KV-cache fit.
         """
-        limit = worker.limit.value / self._settings.ttft_headroom
+        limit = worker.limit.value / self._settings.tpot_headroom
         return _within_fit(
             worker, min(self._settings.max_running_per_worker, math.floor(limit + 1e-9))
         )
@@ -156,7 +156,7 @@ class Limits:
         (:meth:`app.limiter.ConcurrencyLimit.on_result`). The prefill limit learns from the
         stream's first token when it comes (:meth:`first_token`).
         """
-        headroom = self._settings.ttft_headroom
+        headroom = self._settings.tpot_headroom
         tpot_target, _ = self.targets(now)
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target

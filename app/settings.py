@@ -327,8 +327,16 @@ class Settings(BaseSettings):
         default=0.8,
         gt=0,
         le=1,
-        description="Admission's limits grow while latencies are within this share of the "
-        "TPOT and TTFT targets; they are cut when one is over its target.",
+        description="A worker's prefill limit grows while its first tokens come within this "
+        "share of the TTFT target; it is cut when one is over the target. A lower tier's prompts "
+        "prefill beside others within this share of half a higher tier's TTFT target.",
+    )
+    tpot_headroom: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="A worker's running limit grows while its streams' TPOT is within this "
+        "share of the TPOT target; it is cut when one is over the target.",
     )
     max_running_per_worker: int = Field(
         default=256, ge=1, description="Hard cap on a worker's concurrent requests."

@@ -173,6 +173,28 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     assert _decisions(metrics, "interactive", "admitted") == 1
 
 
+def test_the_running_limit_keeps_the_tpot_headroom_and_the_prefill_limit_the_ttft_one() -> None:
+    clock = FakeClock()
+    admission, pool, _, _ = _controller(
+        clock, initial_running_per_worker=8, tpot_headroom=0.6, ttft_headroom=0.8
+    )
+    limits, worker = admission.limits, pool.workers["a:1"]
+    worker.prefill_limit = ConcurrencyLimit(initial=2, maximum=256)
+    assert limits.tpot_aim == pytest.approx(0.06)
+    # 70 ms at the limit: within 0.8 of the 100 ms target but not within 0.6: no growth.
+    worker.in_flight = 7
+    limits.learn(worker, 0.07, clock.now)
+    assert limits.cap(worker) == 8
+    limits.learn(worker, 0.05, clock.now)
+    assert limits.cap(worker) == 9
+    # A stretch past the limit keeps the target at this aim: 9 / 0.6.
+    assert limits.stretched_cap(worker) == 15
+    # First tokens within 0.8 of half the 1 s target (0.35 s) while binding still raise the
+    # prefill limit, which keeps the TTFT headroom.
+    limits.first_token(worker, 0.35, 2, clock.now)
+    assert limits.prefill_cap(worker) == 3
+
+
 def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None:
     """Little's law: arrival rate x how long a request holds a slot, plus two standard
     deviations, over the pool; what the higher tiers do not hold already is kept free."""
