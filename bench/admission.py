@@ -275,6 +275,14 @@ async def closed_loop(
     return outcomes
 
 
+def steady(arrivals: Sequence[Arrival], seconds: float) -> list[bool]:
+    """Per arrival, whether a calibration run of ``seconds`` counts it (steady state).
+
+    Those sent in the first quarter, while the batch fills from empty, are left out.
+    """
+    return [a.offset >= seconds / 4 for a in arrivals]
+
+
 async def attainment_at(
     gateway: str,
     arrivals: Sequence[Arrival],
@@ -290,8 +298,7 @@ async def attainment_at(
     otherwise take minutes to drain on a slow worker).
     """
     strict = TIERS["interactive"]
-    # Steady state: the first quarter, while the batch fills from empty, is left out.
-    counted = [a.offset >= seconds / 4 for a in arrivals]
+    counted = steady(arrivals, seconds)
 
     def missed(outcomes: Sequence[Outcome], now: float) -> int:
         return sum(
@@ -344,7 +351,7 @@ async def calibrate(
             [Arrival(a.offset, "interactive", a.prompt) for a in workload(rate, seconds, rng)]
             for _ in range(CALIBRATION_RUNS)
         ]
-        counted = sum(a.offset >= seconds / 4 for arrivals in draws for a in arrivals)
+        counted = sum(sum(steady(arrivals, seconds)) for arrivals in draws)
         allowed: float = math.floor(counted * (1 - CALIBRATION_ATTAINMENT) + 1e-9)
         runs: list[dict[str, float]] = []
         for arrivals in draws:
