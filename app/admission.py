@@ -13,7 +13,9 @@ once. It acts only when a worker has no room:
   and come down only on evidence;
 * or the slots the tiers above are expected to need are all that is left (:mod:`app.demand`);
 * or, below a tier with recent requests, the prompts prefilling on the worker and this one
-  would take longer than that tier's share of its TTFT target (the prefill budget).
+  would take longer than that tier's share of its TTFT target (the prefill budget);
+* or, below a tier with a stream decoding on the worker, their prefill would stall that
+  stream past its TPOT aim at its pace so far (the stall budget).
 
 When no worker has room, the request waits in one priority queue (higher tier first, earliest
 deadline first within a tier) as long as waiting can still meet its TTFT target (leaving, after
@@ -74,6 +76,7 @@ class Ticket:
     own_tokens: float
     route: RouteKey
     arrival: float
+    max_tokens: int | None = None
     seq: int = 0
     deadline: float = math.inf
     future: asyncio.Future[Lease] | None = field(default=None, repr=False)
@@ -109,6 +112,7 @@ class AdmissionController:
         self._ticker: asyncio.Task[None] | None = None
         self._priorities = {t.name: t.priority for t in settings.tiers}
         self._top = min(self._priorities.values())
+        self._tpot_by_name = {t.name: t.tpot_slo_s for t in settings.tiers}
         self._ttft_by_priority: dict[int, float] = {}
         for t in settings.tiers:
             known = self._ttft_by_priority.get(t.priority, math.inf)
@@ -118,7 +122,10 @@ class AdmissionController:
 
     def lease(self, choice: Choice, ticket: Ticket) -> Lease:
         """Take a slot on ``choice.worker`` for ``ticket`` now."""
-        return Lease(choice, ticket.tier.name, ticket.own_tokens, self._clock(), self._metrics)
+        return Lease(
+            choice, ticket.tier.name, ticket.own_tokens, self._clock(), self._metrics,
+            ticket.max_tokens,
+        )  # fmt: skip
 
     # Room ---------------------------------------------------------------------------------
 
@@ -151,7 +158,8 @@ class AdmissionController:
         :meth:`app.limits.Limits.proven_cap`, without the stretch: while a higher tier is expected,
         a lower one does not take the batch past the aim. Below a tier with recent requests, a
         prompt of ``tokens`` uncached tokens also keeps to the prefill budget
-        (:meth:`_prefill_over_budget`).
+        (:meth:`_prefill_over_budget`), and below a tier with a stream decoding here, to the
+        stall budget (:meth:`_stalls_higher`).
         """
         now = self._clock() if now is None else now
         limits = self.limits
@@ -185,7 +193,10 @@ class AdmissionController:
         if (
             tier is not None
             and tokens
-            and self._prefill_over_budget(worker, tier, tokens, workers, now)
+            and (
+                self._prefill_over_budget(worker, tier, tokens, workers, now)
+                or self._stalls_higher(worker, tier, tokens, now)
+            )
         ):
             return True
         # The top tier is not held back for prefill room: nobody may go ahead of it, and among
@@ -258,6 +269,32 @@ class AdmissionController:
         if seconds <= budget:
             return False
         return self._higher_likely(tier, workers, seconds, now)
+
+    def _stalls_higher(self, worker: Worker, tier: TierSpec, tokens: float, now: float) -> bool:
+        """Whether a prompt of ``tier`` would stall a higher tier's stream past its TPOT aim.
+
+        vLLM runs a new prompt's prefill in the same steps as the running streams' decode, and
+        each of them waits for it. A lower tier's prompt of ``tokens`` uncached tokens joins
+        ``worker`` only if every stream of a higher tier decoding there can take the stall of it
+        and the prompts prefilling ahead of it, at the worker's learnt prefill rate, and still
+        end within ``stall_headroom`` of its TPOT target at its pace so far
+        (:meth:`app.lease.Lease.stall_room`). Below saturation the streams run well within
+        their targets and take a prompt's stall with room to spare.
+        """
+        if not worker.decoding or worker.latency.prefill.observed < _MEASURED_PREFILLS:
+            return False
+        priorities, mine = self._priorities, tier.priority
+        stall = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
+        headroom = self._settings.stall_headroom
+        for lease in worker.decoding:
+            priority = priorities[lease.tier]
+            target = self._tpot_by_name[lease.tier]
+            if priority >= mine or target is None:
+                continue
+            typical = self.demand.typical_decode(priority)
+            if lease.stall_room(now, headroom * target, typical) < stall:
+                return True
+        return False
 
     def _try(self, ticket: Ticket, now: float) -> Choice | None:
         """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).

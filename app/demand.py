@@ -89,6 +89,8 @@ class TierDemand:
         """Per tier priority: the mean hold, counted at least at the TPOT aim (slots kept)."""
         self._held_seen: dict[int, float] = {}
         """Per tier priority: the mean hold as measured (whether the pool will saturate)."""
+        self._decoded: dict[int, float] = {}
+        """Per tier priority: the mean tokens a stream had after its first."""
         self._short_at: dict[int, float] = {}
         """Per tier priority: when it last had a request turned away."""
         self._rates: tuple[float, dict[int, float]] = _NOT_COMPUTED
@@ -141,10 +143,16 @@ class TierDemand:
         of capacity that queued lower tiers for seconds on idle workers.
         """
         _average(self._held_seen, priority, held_s)
+        if decoded > 0:
+            _average(self._decoded, priority, decoded)
         aim = self._tpot_aim
         if aim is not None and decoded > 0 and decode_s < decoded * aim:
             held_s += decoded * aim - decode_s
         _average(self._held, priority, held_s)
+
+    def typical_decode(self, priority: int) -> float | None:
+        """The mean tokens after the first of tier ``priority``'s streams (None: none seen)."""
+        return self._decoded.get(priority)
 
     def short(self, priority: int, now: float) -> None:
         """Tier ``priority`` had a request turned away: lower tiers yield for a while."""

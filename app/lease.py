@@ -8,8 +8,14 @@ takes another on the next worker.
 
 from __future__ import annotations
 
+import math
+
 from app.metrics import GatewayMetrics
 from app.routing import Choice
+
+# Tokens a stream must have decoded before its own pace projects its TPOT: over its first few
+# gaps the pace is mostly noise, and the worker's pooled pace stands in for it.
+_OWN_PACE_TOKENS = 8.0
 
 
 class Lease:
@@ -17,15 +23,23 @@ class Lease:
 
     __slots__ = (
         "_metrics", "choice", "decode_load", "dispatched", "first", "first_occupancy", "gaps",
-        "own_tokens", "prefill_peers", "released", "tier", "worker",
+        "max_tokens", "own_tokens", "prefill_peers", "released", "tier", "worker",
     )  # fmt: skip
 
     def __init__(
-        self, choice: Choice, tier: str, own_tokens: float, now: float, metrics: GatewayMetrics
+        self,
+        choice: Choice,
+        tier: str,
+        own_tokens: float,
+        now: float,
+        metrics: GatewayMetrics,
+        max_tokens: int | None = None,
     ) -> None:
         self.choice = choice
         self.worker = worker = choice.worker
         self.tier = tier
+        self.max_tokens = max_tokens
+        """The most tokens the client asked for (None: as many as the model writes)."""
         # What the worker must prefill: the prompt less what its prefix cache should hold.
         self.own_tokens = own_tokens = max(0.0, own_tokens - choice.cached_tokens)
         self.dispatched = now
@@ -61,6 +75,7 @@ class Lease:
         worker.prefill_tokens_ahead -= self.own_tokens
         worker.prefilling -= 1
         worker.tier_prefilling[self.tier] -= 1
+        worker.decoding.add(self)
         return True
 
     def output_gap(self, gap: float, at: float) -> float | None:
@@ -81,6 +96,29 @@ class Lease:
             return 0.0, 0.0
         return now - self.first, (events - 1) * self.worker.pace.tokens_per_event
 
+    def stall_room(self, now: float, aim_s: float, typical: float | None) -> float:
+        """Seconds of stall the stream can still take and end within ``aim_s`` per token.
+
+        A stream's TPOT is its mean pace over its life, so a stall of ``s`` seconds, whenever it
+        comes, adds ``s`` over its decode tokens to it. Its pace so far (the gap it is in now
+        included) stands for the rest of it: the room is the decode tokens it is expected to
+        have after the first, times the aim less that pace. Expected: ``typical`` (its tier's
+        mean, None if not learnt yet) up to what the client asked for, and more than it has
+        had. Infinite when that is unknown or before the stream decodes.
+        """
+        first = self.first
+        if first is None or not self.gaps or self.released:
+            return math.inf
+        pace = self.worker.pace
+        done = self.gaps * pace.tokens_per_event
+        limit = None if self.max_tokens is None else self.max_tokens - 1.0
+        expected = typical if limit is None else limit if typical is None else min(typical, limit)
+        if expected is None:
+            return math.inf
+        own = (now - first) / done
+        pooled = pace.so_far(now) if done < _OWN_PACE_TOKENS else None
+        return (aim_s - (own if pooled is None else pooled)) * max(expected, done + 1.0)
+
     def release(self, now: float) -> bool:
         """The attempt is over at ``now``; False if it was released already."""
         if self.released:
@@ -93,6 +131,7 @@ class Lease:
             worker.pace.ended(self.first, self.gaps)
         worker.add_in_flight(-1, now)
         worker.tier_in_flight[self.tier] -= 1
+        worker.decoding.discard(self)
         if self.first is None:
             worker.prefill_tokens_ahead -= self.own_tokens
             worker.prefilling -= 1

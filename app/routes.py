@@ -110,6 +110,7 @@ async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> R
         own_tokens,
         state.router.route_key(_session(request, parsed, state.settings.affinity_header), parsed),
         timer.arrival,
+        parsed.max_tokens,
     )
     scope = request.scope
     ctx = RequestContext(

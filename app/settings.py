@@ -338,6 +338,13 @@ class Settings(BaseSettings):
         description="A worker's running limit grows while its streams' TPOT is within this "
         "share of the TPOT target; it is cut when one is over the target.",
     )
+    stall_headroom: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="A lower tier's prompt waits while its prefill would stall a higher tier's "
+        "running stream past this share of that stream's TPOT target, at its pace so far.",
+    )
     max_running_per_worker: int = Field(
         default=256, ge=1, description="Hard cap on a worker's concurrent requests."
     )

@@ -18,7 +18,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -31,6 +31,9 @@ from app.predictor import LatencyModel, RecentQuantile, WorkerLoad
 from app.prefix import PrefixIndex
 from app.settings import Settings, WorkerSpec
 from app.timing import Clock
+
+if TYPE_CHECKING:
+    from app.lease import Lease
 
 log = logging.getLogger(__name__)
 # Ejection backoff doubles at most this many times (far past any GATEWAY_EJECT_MAX_S).
@@ -72,6 +75,8 @@ class Worker:
         """How many requests admission lets run here, steered by their measured TPOT."""
         self.prefilling = 0
         """Requests sent here that have not produced their first token yet."""
+        self.decoding: set[Lease] = set()
+        """Leases of the requests here past their first output: a prefill stalls their decode."""
         self.served_within_aim = 0.0
         """The most it ran (a stream's mean load) with a stream's TPOT in half the aim to it."""
         self.served_at_aim = 0.0

@@ -683,6 +683,57 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     assert waited == pytest.approx(0.3)
 
 
+def test_a_lower_tier_prompt_waits_while_its_prefill_would_stall_a_higher_stream() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    line = worker.latency.prefill = OnlineLinear(0.0, 0.001)  # 1 ms a prompt token
+    for _ in range(8):
+        line.observe(300.0, 0.3)
+    standard, batch = _tier(settings, "standard"), _tier(settings, "batch")
+    interactive = _tier(settings, "interactive")
+    ticket = _ticket(settings, clock, "interactive", 300)
+    ticket.max_tokens = 65
+    stream = admission.lease(Choice(worker, 0.0, 0.0), ticket)
+    stream.first_output(clock.now)
+    assert worker.decoding == {stream}
+    for _ in range(20):
+        clock.now += 0.06
+        stream.output_gap(0.06, clock.now)
+    # 60 ms a token so far, 64 tokens after the first: (0.9 x 100 ms - 60 ms) x 64 = 1.92 s of
+    # stall it can take. No interactive arrivals, nothing prefilling: only this rule holds.
+    assert stream.stall_room(clock.now, 0.09, None) == pytest.approx(1.92)
+    assert not admission._full(worker, standard, reserving=False, tokens=1900)
+    assert admission._full(worker, standard, reserving=False, tokens=1950)
+    assert admission._full(worker, batch, reserving=False, tokens=1950)
+    # A prompt prefilling ahead stalls it too.
+    worker.prefill_tokens_ahead = 1000.0
+    assert admission._full(worker, standard, reserving=False, tokens=1000)
+    worker.prefill_tokens_ahead = 0.0
+    # The top tier is not held for its own streams.
+    assert not admission._full(worker, interactive, tokens=5000)
+    # Slower since: 75 ms a token so far leaves 0.96 s.
+    for _ in range(20):
+        clock.now += 0.09
+        stream.output_gap(0.09, clock.now)
+    assert not admission._full(worker, standard, reserving=False, tokens=900)
+    assert admission._full(worker, standard, reserving=False, tokens=1000)
+    # Interactive streams seen to end after 20 tokens: 40 done, at least 41 expected.
+    admission.demand.held(interactive.priority, 2.0, 1.5, 20.0)
+    assert stream.stall_room(clock.now, 0.09, 20.0) == pytest.approx(0.015 * 41)
+    assert admission._full(worker, standard, reserving=False, tokens=700)
+    # A stream whose length is not known (no max_tokens, none of its tier ended) holds nothing.
+    stream.max_tokens = None
+    admission.demand = type(admission.demand)(clock, None)
+    assert not admission._full(worker, standard, reserving=False, tokens=5000)
+    # Released, it stalls no more.
+    stream.max_tokens = 65
+    assert admission._full(worker, standard, reserving=False, tokens=1000)
+    stream.release(clock.now)
+    assert not worker.decoding
+    assert not admission._full(worker, standard, reserving=False, tokens=5000)
+
+
 def test_the_prefill_limit_holds_a_lower_tier_only_while_a_higher_one_would_wait() -> None:
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock)
