@@ -166,9 +166,10 @@ class AdmissionController:
         if limits.saturated(worker, now):
             return True
         cap, prefill_cap = limits.cap(worker), limits.prefill_cap(worker)
+        above = 0  # requests of the tiers above ``tier`` on the worker
         if tier is not None:
             priorities, mine = self._priorities, tier.priority
-            above = below = 0
+            below = 0
             for name, n in worker.tier_in_flight.items():
                 if priorities[name] < mine:
                     above += n
@@ -195,7 +196,8 @@ class AdmissionController:
             and tokens
             and (
                 self._prefill_over_budget(worker, tier, tokens, workers, now)
-                or self._stalls_higher(worker, tier, tokens, now)
+                # Only streams of the tiers above can be stalled past their aim.
+                or (above and self._stalls_higher(worker, tier, tokens, now))
             )
         ):
             return True
@@ -226,8 +228,7 @@ class AdmissionController:
         priorities, mine = self._priorities, tier.priority
         if any(n and priorities[name] < mine for name, n in worker.tier_prefilling.items()):
             return True
-        seconds = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
-        return self._higher_likely(tier, workers, seconds, now)
+        return self._higher_likely(tier, workers, worker.prefill_seconds(tokens), now)
 
     def _higher_likely(self, tier: TierSpec, workers: int, seconds: float, now: float) -> bool:
         """Whether a request of a tier above ``tier`` is likely at a worker within ``seconds``.
@@ -265,7 +266,7 @@ class AdmissionController:
             return False
         target = min(self._ttft_by_priority[p] for p in above)
         budget = self._settings.ttft_headroom * target / 2
-        seconds = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
+        seconds = worker.prefill_seconds(tokens)
         if seconds <= budget:
             return False
         return self._higher_likely(tier, workers, seconds, now)
@@ -284,7 +285,7 @@ class AdmissionController:
         if not worker.decoding or worker.latency.prefill.observed < _MEASURED_PREFILLS:
             return False
         priorities, mine = self._priorities, tier.priority
-        stall = worker.latency.prefill.slope * (worker.prefill_tokens_ahead + tokens)
+        stall = worker.prefill_seconds(tokens)
         headroom = self._settings.stall_headroom
         for lease in worker.decoding:
             priority = priorities[lease.tier]

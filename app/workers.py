@@ -110,6 +110,14 @@ class Worker:
         """
         return self._occupancy + self.in_flight * (now - self._occupancy_at)
 
+    def prefill_seconds(self, tokens: float) -> float:
+        """Seconds the prompts prefilling here and one of ``tokens`` more take to prefill.
+
+        At the learnt rate per uncached token, without the fitted intercept
+        (:meth:`app.admission.AdmissionController._min_service` says why).
+        """
+        return self.latency.prefill.slope * (self.prefill_tokens_ahead + tokens)
+
     def add_in_flight(self, delta: int, now: float) -> None:
         """Count ``delta`` requests in (or out of) ``in_flight`` at ``now``."""
         self._occupancy = self.occupancy(now)
