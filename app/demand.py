@@ -82,6 +82,7 @@ class TierDemand:
 
     def __init__(self, clock: Clock, tpot_aim: float | None) -> None:
         self._clock = clock
+        self._started = clock()
         self._tpot_aim = tpot_aim
         self._window = _Window(_ACTIVE_S)
         self._spans = [_Window(span) for span in _SURGE_SPANS_S]
@@ -116,9 +117,17 @@ class TierDemand:
         return counts + Counter(fleet)
 
     def _first(self, now: float) -> float:
-        """When the oldest arrival of the long window came, here or elsewhere in the fleet."""
+        """Since when arrivals were counted (the start of the span rates are measured over).
+
+        When this process began, or the oldest arrival of the long window, here or elsewhere in
+        the fleet, if that came before. Not the oldest arrival alone: after a quiet spell that
+        is the latest few, and over the second since them an interactive and a standard request
+        read as a rate of one a second each, four times a CPU worker's capacity, which kept ten
+        of its slots for the top tier and queued the standard request behind a single stream
+        (0.75x of capacity).
+        """
         arrivals = self._window.arrivals
-        first = arrivals[0][0] if arrivals else now
+        first = min(self._started, arrivals[0][0]) if arrivals else self._started
         if self.fleet is not None:
             first = min(first, now - self.fleet.oldest_age(now))
         return first
@@ -170,7 +179,8 @@ class TierDemand:
         """Per tier priority, how many running slots its requests are expected to hold.
 
         Little's law: arrival rate x how long one of its requests holds a slot. The rate is the
-        last ``_ACTIVE_S`` seconds' (over the span actually observed, at least ``_MIN_SPAN_S``),
+        last ``_ACTIVE_S`` seconds' (over as much of them as was observed, at least
+        ``_MIN_SPAN_S``: :meth:`_first`),
         or the rate of one of the last ``_SURGE_SPANS_S`` when that is higher and cannot be
         chance: the span saw at least ``_SURGE_MIN_ARRIVALS`` arrivals of the tier, ``_SURGE_Z``
         standard deviations more than the window's rate brings in such a span; or, over spans of

@@ -416,7 +416,8 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     clock.now += 10.0
     arrive(4)
     admission.demand.short(top, clock.now)
-    assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 40 / 9.75 * 2.82)
+    # Watched for all of the last 10 s (its first arrival came 9.75 s ago): 40 in 10 s.
+    assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 40 / 10 * 2.82)
     worker.in_flight = 10
     assert admission._try(batch, clock.now) is None
 
@@ -499,6 +500,29 @@ def test_a_surge_is_read_from_the_shortest_span_where_it_cannot_be_chance() -> N
     # A second later the last second is empty and 7 in the last 2 s are no surge at 1.5/s.
     clock.now += 1.0
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(15 / 9.8 * 4)
+
+
+def test_after_a_quiet_spell_a_few_arrivals_are_read_over_the_time_watched() -> None:
+    clock = FakeClock()
+    admission, _, _, settings = _controller(clock)
+    for name in ("interactive", "standard"):
+        admission.completed(name, 6.0, decode_s=5.5, decoded=63)
+    top, middle = (_tier(settings, name).priority for name in ("interactive", "standard"))
+    pair = [(top, -0.6), (middle, 0.0)]
+    # Just started, the gateway has watched nothing before them: over a second, 1/s each.
+    _arrive(admission, [(clock.now + offset, p) for p, offset in pair])
+    assert admission.demand.arrival_rates(clock.now) == {top: 1.0, middle: 1.0}
+    assert admission._reserving(4, clock.now)
+    # After twenty quiet seconds the same pair is two arrivals in the 10 s watched, not a
+    # rate of one a second each: 1.2 slots expected of 4, nothing kept back.
+    clock.now += 20.0
+    _arrive(admission, [(clock.now + offset, p) for p, offset in pair])
+    rates = admission.demand.arrival_rates(clock.now)
+    assert rates == {top: pytest.approx(0.1), middle: pytest.approx(0.1)}
+    assert admission.demand.expected_total(clock.now) == pytest.approx(1.2)
+    assert not admission._reserving(4, clock.now)
+    # Nor is an interactive request likely during a lower tier's 2-s prefill (0.2 expected).
+    assert not admission._higher_likely(_tier(settings, "standard"), 1, 2.0, clock.now)
 
 
 def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -> None:
@@ -652,21 +676,21 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     # The first prompt always goes, however long.
     worker.prefilling, worker.prefill_tokens_ahead = 0, 0.0
     assert not admission._full(worker, standard, tokens=900)
-    # Below standard alone, batch keeps standard's 0.8 x 5 s / 2 = 2 s.
+    # Below standard alone (arriving once a second), batch keeps standard's 0.8 x 5 s / 2 = 2 s.
     clock.now += 11.0
-    _arrive(admission, [(clock.now, standard.priority)])
+    _arrive(admission, [(clock.now - 9.0 + k, standard.priority) for k in range(10)])
     worker.prefilling, worker.prefill_tokens_ahead = 1, 300.0
     assert not admission._full(worker, standard, tokens=900)
     assert not admission._full(worker, batch, tokens=1650)
     assert admission._full(worker, batch, tokens=1750)
-    # Interactive requests arriving once in 9 s: one is unlikely in a 0.41 s step (0.09 of
-    # one expected), and the standard prompt goes.
+    # Interactive requests arriving twice in the 10 s watched: one is unlikely in a 0.41 s
+    # step (0.08 of one expected), and the standard prompt goes.
     clock.now += 11.0
     _arrive(admission, [(clock.now - 9.0, interactive.priority), (clock.now, interactive.priority)])
     assert not admission._full(worker, standard, tokens=110)
-    # Arriving every 0.8 s they are likely (0.55 expected): it waits.
+    # Arriving every 0.75 s they are likely (0.53 expected): it waits.
     clock.now += 11.0
-    _arrive(admission, [(clock.now - 9.0 + 0.8 * k, interactive.priority) for k in range(12)])
+    _arrive(admission, [(clock.now - 9.0 + 0.75 * k, interactive.priority) for k in range(13)])
     assert admission._full(worker, standard, tokens=110)
 
     # Through admission: a standard request waits for the interactive prompt's first output.
