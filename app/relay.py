@@ -542,7 +542,14 @@ class Relay(Response):
         if not self._answered:
             self._outcome = error.outcome
         worker = self._lease.worker.label if self._lease else "-"
-        if not isinstance(error, UpstreamClientError):
+        if error.refusal:
+            # Expected under load, once per refused request: the access line and
+            # gateway_admission_decisions_total count them; this line says why.
+            log.info(
+                "request %s refused with %d %s: %s",
+                self._request_id, error.status_code, error.code, error.message,
+            )  # fmt: skip
+        elif not isinstance(error, UpstreamClientError):
             log.warning(
                 "request %s to worker %s failed: %s (%s)",
                 self._request_id, worker, error.message, _describe(cause),

@@ -6,6 +6,7 @@ import asyncio
 import errno
 import hashlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -500,6 +501,26 @@ async def test_a_full_connection_pool_is_the_gateways_own_503_never_the_workers(
     assert 'gateway_worker_up{worker="fake-worker:8100"} 1.0' in metrics
     assert 'outcome="gateway_saturated"' in metrics
     assert ready.status_code == 200
+
+
+async def test_a_refusal_is_logged_as_a_decision_with_its_reason_not_a_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    worker = FakeWorker(_ok)
+    settings = settings_for(WORKER, default_tier="interactive")
+    long = {"role": "user", "content": "word " * 60_000}
+    async with running_gateway(settings, worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with caplog.at_level(logging.INFO, logger="app.relay"):
+                refused = await client.post("/v1/chat/completions", json=_chat(messages=[long]))
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "prompt_too_long"
+    assert not worker.requests
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "app.relay"]
+    request_id = refused.headers["x-request-id"]
+    assert (logging.INFO, f"request {request_id} refused with 429 prompt_too_long: "
+            f"{refused.json()['error']['message']}") in lines  # fmt: skip
+    assert not [line for level, line in lines if level >= logging.WARNING]
 
 
 async def test_router_errors_carry_string_codes(ok_gateway: tuple[str, FakeWorker]) -> None:
