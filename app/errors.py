@@ -20,8 +20,6 @@ class GatewayError(Exception):
     error_type: ClassVar[str] = "server_error"
     code: ClassVar[str | None] = None
     outcome: ClassVar[Outcome] = Outcome.UPSTREAM_ERROR
-    refusal: ClassVar[bool] = False
-    """A decision not to serve (admission's), not a failure: the relay logs it at INFO."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -169,7 +167,6 @@ class _RetryLater(GatewayError):
     """An error that tells the client when to come back (Retry-After, in s and ms)."""
 
     outcome = Outcome.REJECTED
-    refusal = True
     reason: ClassVar[Reason] = Reason.NONE
     """What admission counts the refusal as (the error's code, unless one is given)."""
 
@@ -236,7 +233,6 @@ class GatewaySaturated(_RetryLater):
     error_type = "server_error"
     code = "gateway_saturated"
     outcome = Outcome.GATEWAY_SATURATED
-    refusal = False  # the gateway's own limit: ops should see it
 
 
 class GatewayShutdown(GatewayError):

@@ -542,9 +542,10 @@ class Relay(Response):
         if not self._answered:
             self._outcome = error.outcome
         worker = self._lease.worker.label if self._lease else "-"
-        if error.refusal:
-            # Expected under load, once per refused request: the access line and
-            # gateway_admission_decisions_total count them; this line says why.
+        if error.outcome is Outcome.REJECTED:
+            # Admission's decision, not a failure: expected under load, once per refused
+            # request. The access line and gateway_admission_decisions_total count them; this
+            # line says why.
             log.info(
                 "request %s refused with %d %s: %s",
                 self._request_id, error.status_code, error.code, error.message,
