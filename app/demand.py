@@ -244,30 +244,28 @@ class TierDemand:
         """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.
 
         What the tiers above are expected to hold (:meth:`expected_slots`) over the whole pool,
-        plus two standard deviations of that total for Poisson bursts, spread over
-        ``workers``, less ``running_above``, what they hold on this worker now; at least one
-        while any tier above had a request in the window, zero when none did. Their next
-        requests then start at once instead of waiting for a lower tier's request to finish.
+        spread over ``workers``, less ``running_above``, what they hold on this worker now; at
+        least one while any tier above had a request in the window, zero when none did. Their
+        next requests then start at once instead of waiting for a lower tier's request to
+        finish.
+
+        No margin for their bursts: the top tier is never held back by lower tiers' requests
+        (it goes past the running limit by as many of them as run), so what is kept only holds
+        the batch near the aim while the tiers above arrive at their expected rate. A margin of
+        two standard deviations, on a worker of a few slots, kept nearly all of them for a tier
+        that held a third on average, and the worker idled while lower tiers were turned away
+        (docs/admission.md).
 
         Kept for as long as they are expected, not only after a higher tier had a request
         turned away: kept for 10 s after each refusal, lower tiers filled the workers the
         moment it lapsed and the interactive streams running beside them went over their TPOT
-        target (3x capacity, ``make bench-admission``'s workers). The margin is the pool's:
-        routing sends a request to any worker with room, so the bursts to allow for are those
-        of all the tiers' arrivals together, whose standard deviation is the square root of
-        their total, not the sum of one per worker (which, at about 17 interactive slots over
-        two workers, kept 30 where 26 cover the same bursts).
+        target (3x capacity, ``make bench-admission``'s workers).
         """
         higher = [slots for p, slots in self.expected_slots(now).items() if p < tier.priority]
         if not higher:
             return 0
-        needed = math.ceil(_with_margin(sum(higher)) / max(workers, 1))
+        needed = math.ceil(sum(higher) / max(workers, 1))
         return max(1, needed - running_above)
-
-
-def _with_margin(expected: float) -> float:
-    """``expected`` Poisson arrivals' slots plus two standard deviations for their bursts."""
-    return expected + 2 * math.sqrt(expected)
 
 
 def _average(means: dict[int, float], priority: int, value: float) -> None:

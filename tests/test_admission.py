@@ -196,8 +196,8 @@ def test_the_running_limit_keeps_the_tpot_headroom_and_the_prefill_limit_the_ttf
 
 
 def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None:
-    """Little's law: arrival rate x how long a request holds a slot, plus two standard
-    deviations, over the pool; what the higher tiers do not hold already is kept free."""
+    """Little's law: arrival rate x how long a request holds a slot, over the pool; what the
+    higher tiers do not hold already is kept free."""
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock)
     worker = pool.workers["a:1"]
@@ -208,29 +208,28 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     worker.in_flight = 19
     assert not admission._full(worker, batch)
     # Interactive requests hold a slot 4 s and arrive once a second for 10 s: the window says
-    # 10/9 per second (3 in the last 2 s is no surge). 4.44 expected, + 2 x sqrt(4.44) -> 9
-    # slots kept: batch and standard stop at 20 - 9 = 11.
+    # 10/9 per second (3 in the last 2 s is no surge). 4.44 expected -> 5 slots kept: batch
+    # and standard stop at 20 - 5 = 15.
     admission.completed("interactive", 4.0)
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     for tier in (batch, standard):
-        worker.in_flight = 10
+        worker.in_flight = 14
         assert not admission._full(worker, tier)
-        worker.in_flight = 11
+        worker.in_flight = 15
         assert admission._full(worker, tier)
     assert not admission._full(worker, interactive)
-    # Slots interactive holds already count: with 5 of its requests running, 4 more are kept.
-    worker.tier_in_flight["interactive"] = 5
-    worker.in_flight = 15
+    # Slots interactive holds already count: with 3 of its requests running, 2 more are kept.
+    worker.tier_in_flight["interactive"] = 3
+    worker.in_flight = 17
     assert not admission._full(worker, batch)
-    worker.in_flight = 16
+    worker.in_flight = 18
     assert admission._full(worker, batch)
-    # Spread over two workers: the bursts are the pool's, 4.44 + 2 x sqrt(4.44) = 8.66 slots,
-    # 5 a worker (two standard deviations a worker would have kept 6).
+    # Spread over two workers: 4.44 / 2 = 2.22 slots, 3 a worker.
     worker.tier_in_flight["interactive"] = 0
-    worker.in_flight = 14
+    worker.in_flight = 16
     assert not admission._full(worker, batch, workers=2)
-    worker.in_flight = 15
+    worker.in_flight = 17
     assert admission._full(worker, batch, workers=2)
     # A surge (9 more in the last instant) is seen at once: 18/s x 4 s = 72 expected, more
     # than the worker has; a lower tier only gets the last slot of an otherwise empty worker.
@@ -258,12 +257,12 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
             "gateway_worker_proven_concurrency", {"worker": "a:1"}
         )
 
-    # Interactive holds a slot 4 s and arrives once a second: 9 slots kept for it.
+    # Interactive holds a slot 4 s and arrives once a second: 5 slots kept for it.
     admission.completed("interactive", 4.0)
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
-    # Nothing measured yet: kept from the hard cap, 256 - 9.
-    worker.in_flight = 246
+    # Nothing measured yet: kept from the hard cap, 256 - 5.
+    worker.in_flight = 250
     assert not admission._full(worker, batch)
     # Light traffic (two at 25 ms a token, the bare decode step) says nothing of the aim.
     limits.learn(worker, 0.025, clock.now, 2.0)
@@ -275,9 +274,9 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     assert limits.cap(worker) == 256
     assert limits.proven_cap(worker) == 20
     assert proven_gauge() == 20
-    worker.in_flight = 10
+    worker.in_flight = 14
     assert not admission._full(worker, batch)
-    worker.in_flight = 11
+    worker.in_flight = 15
     assert admission._full(worker, batch)
     assert not admission._full(worker, interactive)
     # Below saturation the unmeasured limit stands: a lower tier is held back by nothing.
@@ -311,8 +310,8 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     admission.demand.short(interactive.priority, clock.now)
-    # 10/9 per second x 4 s = 4.4 slots expected in all, of the worker's 20: the 9 that _full
-    # would keep for interactive (4.4 + 2 x sqrt(4.4)) are not kept; batch runs in the 19th.
+    # 10/9 per second x 4 s = 4.4 slots expected in all, of the worker's 20: the 5 that _full
+    # would keep for interactive are not kept; batch runs in the 19th.
     worker.in_flight = 18
     assert admission._full(worker, batch.tier)
     assert admission._try(batch, clock.now) is not None
@@ -339,18 +338,22 @@ def test_slots_stay_kept_while_a_higher_tier_is_expected_not_only_after_a_refusa
     worker.limit.value = 20
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     admission.completed("interactive", 4.0)
-    # 2/s for 10 s, 4 s each: 8.2 slots expected, 13.9 with two standard deviations. Nothing of
-    # interactive was ever turned away, and 14 slots are kept: batch stops at 6.
+    # 2/s for 10 s, 4 s each: 8.2 slots expected. Nothing of interactive was ever turned
+    # away, and 9 slots are kept: batch stops at 11.
     _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
-    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 14
-    worker.in_flight = 5
+    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 9
+    worker.in_flight = 10
     assert not admission._full(worker, batch)
-    worker.in_flight = 6
+    worker.in_flight = 11
     assert admission._full(worker, batch)
     # A refusal 10 s ago changes nothing either way, while the arrivals go on.
     admission.demand.short(interactive.priority, clock.now)
     clock.now += 10.5
     _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
+    assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 8  # 2/s over 10 s
+    worker.in_flight = 11
+    assert not admission._full(worker, batch)
+    worker.in_flight = 12
     assert admission._full(worker, batch)
     # Once interactive stops arriving, nothing is kept.
     clock.now += 10.5
@@ -370,15 +373,15 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     admission.demand.short(interactive.priority, clock.now)
     # Learnt at a light load: 0.3 s to the first token, then 63 tokens at 40 ms (2.82 s held).
     # At the aim those tokens take 5.04 s: 5.34 s held. At 10/9 per second 5.93 slots are
-    # expected and ceil(5.93 + 2 x sqrt(5.93)) = 11 are kept: batch stops at 29. Counting the
-    # 2.82 s seen would keep ceil(3.13 + 2 x sqrt(3.13)) = 7 and let it run to 33.
+    # expected and 6 are kept: batch stops at 34. Counting the 2.82 s seen would keep 4 and
+    # let it run to 36.
     admission.completed("interactive", 2.82, decode_s=2.52, decoded=63)
     assert admission.demand.expected_slots(clock.now)[interactive.priority] == pytest.approx(
         (0.3 + 63 * 0.08) * 10 / 9
     )
-    worker.in_flight = 28
+    worker.in_flight = 33
     assert not admission._full(worker, batch)
-    worker.in_flight = 29
+    worker.in_flight = 34
     assert admission._full(worker, batch)
     # A stream that decoded slower than the aim counts as it was.
     admission, _, _, _ = _controller(clock)
