@@ -290,7 +290,9 @@ class AdmissionController:
         for lease in worker.decoding:
             priority = priorities[lease.tier]
             target = self._tpot_by_name[lease.tier]
-            if priority >= mine or target is None:
+            # A target out of the worker's reach is missed whatever waits: holding lower tiers
+            # for it would only starve them (app.limits.Limits.targets).
+            if priority >= mine or target is None or not self.limits.reachable(worker, target):
                 continue
             typical = self.demand.typical_decode(priority)
             if lease.stall_room(now, headroom * target, typical) < stall:

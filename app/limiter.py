@@ -49,8 +49,8 @@ class ConcurrencyLimit:
     """Additive-increase / multiplicative-decrease limit on one worker's running requests."""
 
     __slots__ = (
-        "_cooldown", "_decrease", "_draining", "_last_cut", "_settle", "maximum", "measured",
-        "minimum", "value",
+        "_cooldown", "_decrease", "_draining", "_initial", "_last_cut", "_settle", "maximum",
+        "measured", "minimum", "value",
     )  # fmt: skip
 
     def __init__(
@@ -64,7 +64,7 @@ class ConcurrencyLimit:
     ) -> None:
         self.maximum = maximum
         self.minimum = minimum
-        self.value = max(minimum, min(maximum, initial))
+        self.value = self._initial = max(minimum, min(maximum, initial))
         self._decrease = decrease
         self._cooldown = cooldown_s
         self._settle = settle_s
@@ -110,6 +110,13 @@ class ConcurrencyLimit:
         self._draining = True
         self.measured = True
         return self.value < before
+
+    def reset(self) -> None:
+        """Back to where it started, unmeasured: the evidence that lowered it no longer holds."""
+        self.value = self._initial
+        self._last_cut = -math.inf
+        self._draining = False
+        self.measured = False
 
     def lift(self, to: float, now: float) -> None:
         """Raise the limit to ``to`` (within the maximum), unless cut in the last ``settle_s``.

@@ -22,6 +22,8 @@ _MIN_LOAD_SPREAD = 4.0
 _LOOP_WAITS = 4
 # A tier's targets are kept while it had a request in the last this long (see Limits.targets).
 _TIER_ACTIVE_S = 60.0
+# The most a stream's mean load may be for it to have decoded alone (Limits.learn).
+_ALONE_LOAD = 1.25
 
 
 class Limits:
@@ -52,7 +54,7 @@ class Limits:
         """A request of ``tier`` arrived: its targets are in play (:meth:`targets`)."""
         self._last_arrival[tier.name] = now
 
-    def targets(self, now: float) -> tuple[float | None, float]:
+    def targets(self, now: float, worker: Worker | None = None) -> tuple[float | None, float]:
         """The TPOT target (None: no tier has one) and the TTFT target the limits keep now.
 
         The strictest of the tiers that had a request in the last ``_TIER_ACTIVE_S`` seconds,
@@ -61,13 +63,27 @@ class Limits:
         request is standard, 200 ms a token, and the limits kept interactive's 100 ms, cutting
         workers that streamed 256 at 80 ms a token to as few as 61). A tier that comes back
         after a pause finds the limits set for the others, and its first misses cut them, as
-        any miss does.
+        any miss does. On ``worker``, a TPOT target under the fastest it is known to reach
+        (:attr:`app.workers.Worker.floor_tpot`) is out of its reach: no limit brings its
+        streams back within it, and steering by it cut a worker whose pace does not depend on
+        its batch to one stream at a time, while the other tiers' targets were met. The
+        strictest target it reaches is kept instead, or none.
         """
         tiers = self._settings.tiers
         since = now - _TIER_ACTIVE_S
         active = [t for t in tiers if self._last_arrival.get(t.name, -math.inf) > since]
         playing = active or tiers
-        return strictest_tpot_s(playing), min(t.ttft_slo_s for t in playing)
+        tpot = strictest_tpot_s(playing)
+        if worker is not None and tpot is not None and tpot < worker.floor_tpot:
+            floor = worker.floor_tpot
+            tpot = strictest_tpot_s(
+                t for t in playing if t.tpot_slo_s is not None and t.tpot_slo_s >= floor
+            )
+        return tpot, min(t.ttft_slo_s for t in playing)
+
+    def reachable(self, worker: Worker, target_s: float) -> bool:
+        """Whether ``worker`` is known to reach a TPOT of ``target_s`` (:meth:`targets`)."""
+        return target_s >= worker.floor_tpot
 
     def cap(self, worker: Worker) -> int:
         """The most requests ``worker`` may run now (this gateway's and others' together).
@@ -157,7 +173,9 @@ class Limits:
         stream's first token when it comes (:meth:`first_token`).
         """
         headroom = self._settings.tpot_headroom
-        tpot_target, _ = self.targets(now)
+        if tpot_s is not None:
+            self._floor(worker, tpot_s, decode_load, now)
+        tpot_target, _ = self.targets(now, worker)
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target
             aim = headroom * target
@@ -193,6 +211,24 @@ class Limits:
                 # says how many keep the aim, where additive growth alone needs a request's
                 # life a step and light traffic (never at the limit) takes no step at all.
                 worker.limit.lift(bound, now)
+
+    def _floor(self, worker: Worker, tpot_s: float, decode_load: float | None, now: float) -> None:
+        """Learn the fastest TPOT ``worker`` reaches from a finished stream's ``tpot_s``.
+
+        A stream that decoded alone measured the worker's own pace (no batch is smaller);
+        any faster stream lowers it. When that puts the strictest target in play out of
+        reach, what was learnt against it goes: its cuts were no evidence of a batch too big,
+        and the loads seen within its aim say nothing of the target kept now.
+        """
+        before, _ = self.targets(now, worker)
+        if decode_load is not None and decode_load + self._others(worker, now) <= _ALONE_LOAD:
+            worker.floor_tpot = tpot_s
+        else:
+            worker.floor_tpot = min(worker.floor_tpot, tpot_s)
+        after, _ = self.targets(now, worker)
+        if before is not None and (after is None or after > before):
+            worker.limit.reset()
+            worker.served_within_aim = worker.served_at_aim = 0.0
 
     def first_token(
         self, worker: Worker, worker_ttft_s: float, prefill_peers: int, now: float
@@ -241,7 +277,7 @@ class Limits:
         its life, and streams that ran for seconds absorb a window of a few prefill stalls.
         """
         self._metrics.worker_decode_pace.labels(worker.label).set(pace_s)
-        target, _ = self.targets(now)
+        target, _ = self.targets(now, worker)
         if target is not None and pace_s > target:
             so_far = worker.pace.so_far(now)
             if so_far is not None and so_far <= target:

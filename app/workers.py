@@ -81,6 +81,9 @@ class Worker:
         """The most it ran (a stream's mean load) with a stream's TPOT in half the aim to it."""
         self.served_at_aim = 0.0
         """Those loads scaled by the aim over the stream's TPOT: what would decode at the aim."""
+        self.floor_tpot = 0.0
+        """The fastest TPOT it is known to reach: its last lone stream's, or faster if seen
+        since (0: not measured). A target under it is out of reach (``Limits.targets``)."""
         self.pace = DecodePace()
         """The live gap between output events of its running streams (steers ``limit``)."""
         self.recent_ttft = RecentQuantile(0.8)

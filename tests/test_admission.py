@@ -1179,3 +1179,55 @@ def test_decode_pace_pools_the_running_streams_tpot_so_far() -> None:
     assert pace.so_far(2.0) == pytest.approx(1.0 / 4)
     pace.ended(1.0, 4)
     assert pace.so_far(2.0) is None
+
+
+def test_a_tpot_target_a_worker_misses_alone_no_longer_steers_it() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    limits = admission.limits
+    interactive, standard = _tier(settings, "interactive"), _tier(settings, "standard")
+    limits.arrived(interactive, clock.now)
+    limits.arrived(standard, clock.now)
+    assert limits.targets(clock.now, worker)[0] == pytest.approx(0.1)
+    # A worker at 120 ms a token whatever its batch: every stream misses interactive's 100 ms
+    # target, and the cuts take the limit down to one stream at a time.
+    for _ in range(10):
+        clock.now += 1.1
+        limits.learn(worker, 0.12, clock.now, decode_load=2.0)
+    assert limits.cap(worker) == 1
+    assert worker.limit.measured
+    # Slower than the target with a batch says nothing of the worker alone...
+    assert limits.reachable(worker, 0.1)
+    # ...but a stream that decoded alone does: interactive's target is out of reach there, the
+    # cuts made for it go, and standard's 200 ms target steers the limit now.
+    limits.learn(worker, 0.12, clock.now, decode_load=1.0)
+    assert not limits.reachable(worker, 0.1)
+    assert limits.reachable(worker, 0.2)
+    assert limits.targets(clock.now, worker)[0] == pytest.approx(0.2)
+    assert limits.targets(clock.now)[0] == pytest.approx(0.1)
+    assert limits.cap(worker) == settings.max_running_per_worker
+    assert not worker.limit.measured
+    for _ in range(5):
+        clock.now += 1.1
+        limits.learn(worker, 0.12, clock.now, decode_load=3.0)
+    assert limits.cap(worker) == settings.max_running_per_worker
+    # A lower tier's prompt is not held for the stall of a stream whose target is out of reach.
+    line = worker.latency.prefill = OnlineLinear(0.0, 0.001)
+    for _ in range(8):
+        line.observe(300.0, 0.3)
+    ticket = _ticket(settings, clock, "interactive", 300)
+    ticket.max_tokens = 65
+    stream = admission.lease(Choice(worker, 0.0, 0.0), ticket)
+    stream.first_output(clock.now)
+    for _ in range(20):
+        clock.now += 0.12
+        stream.output_gap(0.12, clock.now)
+    assert stream.stall_room(clock.now, 0.09, None) < 0
+    assert not admission._full(worker, standard, reserving=False, tokens=100)
+    # A faster stream at any load shows the target within reach again: it steers once more,
+    # and the prompt waits for the stream's sake.
+    limits.learn(worker, 0.08, clock.now, decode_load=2.0)
+    assert limits.reachable(worker, 0.1)
+    assert limits.targets(clock.now, worker)[0] == pytest.approx(0.1)
+    assert admission._full(worker, standard, reserving=False, tokens=100)
