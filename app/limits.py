@@ -74,10 +74,11 @@ class Limits:
         active = [t for t in tiers if self._last_arrival.get(t.name, -math.inf) > since]
         playing = active or tiers
         tpot = strictest_tpot_s(playing)
-        if worker is not None and tpot is not None and tpot < worker.floor_tpot:
-            floor = worker.floor_tpot
+        if worker is not None and tpot is not None and not self.reachable(worker, tpot):
             tpot = strictest_tpot_s(
-                t for t in playing if t.tpot_slo_s is not None and t.tpot_slo_s >= floor
+                t
+                for t in playing
+                if t.tpot_slo_s is not None and self.reachable(worker, t.tpot_slo_s)
             )
         return tpot, min(t.ttft_slo_s for t in playing)
 
@@ -173,9 +174,15 @@ class Limits:
         stream's first token when it comes (:meth:`first_token`).
         """
         headroom = self._settings.tpot_headroom
+        before, _ = self.targets(now, worker)
         if tpot_s is not None:
             self._floor(worker, tpot_s, decode_load, now)
         tpot_target, _ = self.targets(now, worker)
+        if before is not None and (tpot_target is None or tpot_target > before):
+            # The strictest target went out of reach: its cuts were no evidence of a batch too
+            # big, and the loads seen within its aim say nothing of the target kept now.
+            worker.limit.reset()
+            worker.served_within_aim = worker.served_at_aim = 0.0
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target
             aim = headroom * target
@@ -216,19 +223,12 @@ class Limits:
         """Learn the fastest TPOT ``worker`` reaches from a finished stream's ``tpot_s``.
 
         A stream that decoded alone measured the worker's own pace (no batch is smaller);
-        any faster stream lowers it. When that puts the strictest target in play out of
-        reach, what was learnt against it goes: its cuts were no evidence of a batch too big,
-        and the loads seen within its aim say nothing of the target kept now.
+        any faster stream lowers it.
         """
-        before, _ = self.targets(now, worker)
         if decode_load is not None and decode_load + self._others(worker, now) <= _ALONE_LOAD:
             worker.floor_tpot = tpot_s
         else:
             worker.floor_tpot = min(worker.floor_tpot, tpot_s)
-        after, _ = self.targets(now, worker)
-        if before is not None and (after is None or after > before):
-            worker.limit.reset()
-            worker.served_within_aim = worker.served_at_aim = 0.0
 
     def first_token(
         self, worker: Worker, worker_ttft_s: float, prefill_peers: int, now: float
