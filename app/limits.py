@@ -104,9 +104,10 @@ class Limits:
         A limit no miss, pace reading or queueing has lowered yet is the hard cap or the KV
         cache's fit, far above what a worker keeps within the TPOT target; the most it ran
         while a stream decoded there within the aim but at least half as slowly (a load that
-        told something of the aim) is a measurement. ``at_aim``: that load scaled by the aim
-        over the stream's TPOT, which TPOT, growing at most in proportion to the batch, still
-        keeps within the aim. None once the limit is measured, or before any such stream: a
+        told something of the aim) is a measurement, and each stream that kept the aim at it
+        raises it by one, as the limit grows (:meth:`learn`). ``at_aim``: that load scaled by
+        the aim over the stream's TPOT, which TPOT, growing at most in proportion to the batch,
+        still keeps within the aim. None once the limit is measured, or before any such stream: a
         cold burst, or one after light traffic, is not held back by a guess.
         """
         seen = worker.served_at_aim if at_aim else worker.served_within_aim
@@ -198,14 +199,9 @@ class Limits:
                 # The stream itself kept the aim at its load: a measurement outranks the
                 # line's projection (fitted across arrival rates, whose prefill stalls differ).
                 bound = max(bound, decode_load)
-                if aim / 2 <= tpot_s <= aim:
-                    # Only a batch that slowed a stream towards the aim says where the aim is:
-                    # at a light load TPOT is the bare decode step, and a bound learnt there
-                    # would hold the next burst's lower tiers to the few that ran then. Its own
-                    # mean load is this process's requests; others' ran there too.
-                    served = decode_load + self._others(worker, now)
-                    worker.served_within_aim = max(worker.served_within_aim, served)
-                    worker.served_at_aim = max(worker.served_at_aim, served * aim / tpot_s)
+                if tpot_s <= aim:
+                    # Its own mean load is this process's requests; others' ran there too.
+                    self._seen(worker, decode_load + self._others(worker, now), tpot_s, aim)
             # The stream's own projection lifts the limit no further than the bound.
             if worker.limit.on_result(tpot_s, aim, target, running, now, decode_load, bound):
                 self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
@@ -218,6 +214,27 @@ class Limits:
                 # says how many keep the aim, where additive growth alone needs a request's
                 # life a step and light traffic (never at the limit) takes no step at all.
                 worker.limit.lift(bound, now)
+
+    def _seen(self, worker: Worker, served: float, tpot_s: float, aim: float) -> None:
+        """Learn what ``worker`` serves from a stream that kept the aim at load ``served``.
+
+        Only a batch that slowed a stream towards the aim (to half of it or more) sets the
+        seen load: at a light load TPOT is the bare decode step, and a bound learnt there would
+        hold the next burst's lower tiers to the few that ran then. While the bound applies
+        (:meth:`seen_bound`), a stream within the aim that ran at it raises it by one, as the
+        running limit grows: the bound holds the batch at what was seen, and the mean load of
+        the streams living at it is at most the bound, so it grew only when the top tier went
+        past it. On a worker pacing 120 ms a token whatever its batch, two interactive streams
+        set it at 2 and standard requests, with a slot kept for interactive out of it, ran only
+        on an otherwise empty worker (11 of 80 served, 80 with admission off).
+        """
+        seen = worker.served_within_aim
+        if tpot_s >= aim / 2:
+            worker.served_within_aim = max(seen, served)
+            worker.served_at_aim = max(worker.served_at_aim, served * aim / tpot_s)
+        if seen >= 1.0 and not worker.limit.measured and served >= math.floor(seen) - 1:
+            worker.served_within_aim = max(worker.served_within_aim, math.floor(seen) + 1.0)
+            worker.served_at_aim = max(worker.served_at_aim, worker.served_within_aim)
 
     def _floor(self, worker: Worker, tpot_s: float, decode_load: float | None, now: float) -> None:
         """Learn the fastest TPOT ``worker`` reaches from a finished stream's ``tpot_s``.

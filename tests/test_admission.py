@@ -298,6 +298,45 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     assert proven_gauge() == 0
 
 
+def test_a_stream_within_the_aim_at_the_seen_bound_raises_it_by_one() -> None:
+    """The seen bound grows as the running limit does. Slots kept out of it hold the batch at
+    it, the streams living there run at most at it, and without growth it never rose."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    limits, worker = admission.limits, pool.workers["a:1"]
+    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+    admission.completed("interactive", 4.0)
+    for t in range(10):
+        admission.demand.arrived(interactive.priority, clock.now - 9 + t)
+    # Light traffic sets no bound, so none grows from it.
+    limits.learn(worker, 0.025, clock.now, 2.0)
+    assert limits.seen_bound(worker) is None
+    # Seen to serve 6 (50 ms a token, within the 80 ms aim). Four interactive streams run and
+    # one more slot is kept for the tier: the batch stops at 5.
+    limits.learn(worker, 0.05, clock.now, 6.0)
+    assert limits.seen_bound(worker) == 6
+    worker.tier_in_flight["interactive"] = 4
+    worker.in_flight = 5
+    assert admission._full(worker, batch)
+    # A stream that ran at the bound (a mean load of 5, one under it) within the aim: 7.
+    limits.learn(worker, 0.06, clock.now, 5.0)
+    assert limits.seen_bound(worker) == 7
+    assert limits.proven_cap(worker, at_aim=True) >= 7
+    assert not admission._full(worker, batch)
+    # A stream under the bound, or one over the aim, tells nothing of it.
+    limits.learn(worker, 0.06, clock.now, 5.5)
+    limits.learn(worker, 0.09, clock.now, 7.0)
+    assert limits.seen_bound(worker) == 7
+    # At the bound at the bare decode step, well within the aim: room for one more.
+    limits.learn(worker, 0.02, clock.now, 6.0)
+    assert limits.seen_bound(worker) == 8
+    # Once a measurement set the limit the bound no longer applies, and only loads seen raise
+    # what the top tier goes past a cut by.
+    worker.limit.cut(10, clock.now)
+    limits.learn(worker, 0.06, clock.now, 7.5)
+    assert worker.served_within_aim == 8
+
+
 def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_saturate() -> None:
     """Below saturation a lower tier takes any free slot: nothing is held back on a guess."""
     clock = FakeClock()
