@@ -107,8 +107,8 @@ class Limits:
         told something of the aim) is a measurement, and each stream that kept the aim at it
         raises it by one, as the limit grows (:meth:`learn`). ``at_aim``: that load scaled by
         the aim over the stream's TPOT, which TPOT, growing at most in proportion to the batch,
-        still keeps within the aim. None once the limit is measured, or before any such stream: a
-        cold burst, or one after light traffic, is not held back by a guess.
+        still keeps within the aim. None once the limit is measured, or before any such
+        stream: a cold burst, or one after light traffic, is not held back by a guess.
         """
         seen = worker.served_at_aim if at_aim else worker.served_within_aim
         if worker.limit.measured or seen < 1.0:
@@ -175,10 +175,11 @@ class Limits:
         stream's first token when it comes (:meth:`first_token`).
         """
         headroom = self._settings.tpot_headroom
-        before, _ = self.targets(now, worker)
+        others = self._others(worker, now)
+        before = tpot_target = self.targets(now, worker)[0]
         if tpot_s is not None:
-            self._floor(worker, tpot_s, decode_load, now)
-        tpot_target, _ = self.targets(now, worker)
+            self._floor(worker, tpot_s, decode_load, others)
+            tpot_target = self.targets(now, worker)[0]
         if before is not None and (tpot_target is None or tpot_target > before):
             # The strictest target went out of reach: its cuts were no evidence of a batch too
             # big, and the loads seen within its aim say nothing of the target kept now.
@@ -187,7 +188,7 @@ class Limits:
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target
             aim = headroom * target
-            running = worker.in_flight + 1 + self._others(worker, now)
+            running = worker.in_flight + 1 + others
             # Until the batch first outgrows the target, the limit stands where it started: the
             # decode line learnt from streams at a range of loads says where that will be, so
             # the first surge is not let in whole. Only a stream within the aim asks the line:
@@ -201,7 +202,7 @@ class Limits:
                 bound = max(bound, decode_load)
                 if tpot_s <= aim:
                     # Its own mean load is this process's requests; others' ran there too.
-                    self._seen(worker, decode_load + self._others(worker, now), tpot_s, aim)
+                    self._seen(worker, decode_load + others, tpot_s, aim)
             # The stream's own projection lifts the limit no further than the bound.
             if worker.limit.on_result(tpot_s, aim, target, running, now, decode_load, bound):
                 self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
@@ -236,13 +237,15 @@ class Limits:
             worker.served_within_aim = max(worker.served_within_aim, math.floor(seen) + 1.0)
             worker.served_at_aim = max(worker.served_at_aim, worker.served_within_aim)
 
-    def _floor(self, worker: Worker, tpot_s: float, decode_load: float | None, now: float) -> None:
+    def _floor(
+        self, worker: Worker, tpot_s: float, decode_load: float | None, others: float
+    ) -> None:
         """Learn the fastest TPOT ``worker`` reaches from a finished stream's ``tpot_s``.
 
-        A stream that decoded alone measured the worker's own pace (no batch is smaller);
-        any faster stream lowers it.
+        A stream that decoded alone (with ``others``, other gateways' requests, counted)
+        measured the worker's own pace (no batch is smaller); any faster stream lowers it.
         """
-        if decode_load is not None and decode_load + self._others(worker, now) <= _ALONE_LOAD:
+        if decode_load is not None and decode_load + others <= _ALONE_LOAD:
             worker.floor_tpot = tpot_s
         else:
             worker.floor_tpot = min(worker.floor_tpot, tpot_s)
@@ -302,7 +305,7 @@ class Limits:
             # From the load the reading is of: the window may close as the batch it measured
             # has drained (seen: a window of a surge's end closed by the next request's first
             # gap, with one running, cut a worker to 1).
-            running = max(worker.in_flight + self._others(worker, now), worker.pace.load)
+            running = max(self.occupied(worker, now), worker.pace.load)
             if worker.limit.cut(running, now, pace_s / target):
                 self._metrics.limit_cut(worker.label, LimitCut.DECODE_PACE)
 
