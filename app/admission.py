@@ -145,16 +145,12 @@ class AdmissionController:
         lower tiers' requests run on it, a tier may go past the running limit by as many: a running
         request cannot be preempted, so without that a slot handed to a lower tier while the pool
         had room would turn away a higher tier's request that pass-through would have served in
-        time. A middle tier goes past by as many, up to :meth:`app.limits.Limits.stretched_cap`
-        (the TPOT target). The top tier goes to the TPOT target whoever runs there, and past it
-        its own requests alone count against the limit (up to
-        :meth:`app.limits.Limits.hard_cap`) while the streams there keep the aim so far
-        (:meth:`app.limits.Limits.within_aim_so_far`): when a cut leaves more running than the
-        limit, those over it are lower tiers', which then wait until the batch is back under
-        their limits; the top tier does not wait for the streams it would have gone ahead of, nor
-        for a cut below the load the worker was seen to serve within the aim
-        (:meth:`app.limits.Limits.top_cap`). Once they run past the aim, more top-tier streams
-        would only take every stream there over the target. When
+        time. The top tier's own requests alone count against the limit (up to
+        :meth:`app.limits.Limits.hard_cap`): when a cut leaves more running than the limit, those
+        over it are lower tiers', which then wait until the batch is back under their limits; the
+        top tier does not wait for the streams it would have gone ahead of, nor for a cut below the
+        load the worker was seen to serve within the aim (:meth:`app.limits.Limits.top_cap`). A
+        middle tier goes past by as many, up to :meth:`app.limits.Limits.stretched_cap`. When
         ``reserving`` (the pool is expected to saturate), the limits are lower below a tier that has
         had requests in the last seconds: the running slots that tier is expected to need
         (:meth:`app.demand.TierDemand.kept_for_higher`) and one prefill slot are kept free for it,
@@ -180,9 +176,7 @@ class AdmissionController:
                 elif priorities[name] > mine:
                     below += n
             if mine == self._top:
-                cap = max(limits.top_cap(worker), limits.stretched_cap(worker))
-                if below and limits.within_aim_so_far(worker, now):
-                    cap = max(cap, min(limits.hard_cap(worker), limits.top_cap(worker) + below))
+                cap = min(limits.hard_cap(worker), limits.top_cap(worker) + below)
             elif below:
                 cap = max(cap, min(limits.stretched_cap(worker), cap + below))
             demand = self.demand

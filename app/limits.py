@@ -144,17 +144,6 @@ class Limits:
             worker, min(self._settings.max_running_per_worker, math.floor(limit + 1e-9))
         )
 
-    def within_aim_so_far(self, worker: Worker, now: float) -> bool:
-        """Whether ``worker``'s decoding streams are within the TPOT aim so far.
-
-        Their pooled TPOT so far (:meth:`app.limiter.DecodePace.so_far`) against the headroom
-        times the target kept (:meth:`targets`); True when there is no target or too few gaps
-        to tell.
-        """
-        target, _ = self.targets(now, worker)
-        so_far = worker.pace.so_far(now)
-        return target is None or so_far is None or so_far <= self._settings.tpot_headroom * target
-
     def _decode_fit(self, worker: Worker, aim: float) -> float:
         """How many running requests keep TPOT at the aim, by the worker's learnt decode line.
 
