@@ -38,7 +38,6 @@ import contextlib
 import itertools
 import logging
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 
 from app.demand import TierDemand
@@ -105,8 +104,6 @@ class AdmissionController:
         self._clock = clock
         self._queue: list[Ticket] = []
         self._keys: list[tuple[int, float, int]] = []
-        self._queued: Counter[tuple[str, int]] = Counter()
-        """Queued requests per (model, tier priority)."""
         self._seq = itertools.count()
         self._poked = False
         self._ticker: asyncio.Task[None] | None = None
@@ -137,6 +134,7 @@ class AdmissionController:
         now: float | None = None,
         reserving: bool = True,
         tokens: float = 0.0,
+        yielded: int = 0,
     ) -> bool:
         """Whether ``worker`` (one of ``workers`` serving the model) takes no more of ``tier``.
 
@@ -159,7 +157,10 @@ class AdmissionController:
         a lower one does not take the batch past the aim. Below a tier with recent requests, a
         prompt of ``tokens`` uncached tokens also keeps to the prefill budget
         (:meth:`_prefill_over_budget`), and below a tier with a stream decoding here, to the
-        stall budget (:meth:`_stalls_higher`).
+        stall budget (:meth:`_stalls_higher`). And ``yielded`` more slots stay free for the
+        requests of higher tiers queued in other gateway processes
+        (:meth:`app.demand.TierDemand.queued_elsewhere`): the next slots are theirs, as they
+        would be in one queue, even the last one.
         """
         now = self._clock() if now is None else now
         limits = self.limits
@@ -170,10 +171,17 @@ class AdmissionController:
         if tier is not None:
             priorities, mine = self._priorities, tier.priority
             below = 0
-            for name, n in worker.tier_in_flight.items():
-                if priorities[name] < mine:
+            # Every gateway process's: the top tier here goes past the limit by the lower
+            # tiers' streams another process runs there, and what is kept for the tiers above
+            # counts those they run there already.
+            fleet = worker.fleet_tier_in_flight(now).items()
+            for name, n in itertools.chain(worker.tier_in_flight.items(), fleet):
+                priority = priorities.get(name)
+                if priority is None:  # a tier of another configuration (mid-rollout)
+                    continue
+                if priority < mine:
                     above += n
-                elif priorities[name] > mine:
+                elif priority > mine:
                     below += n
             if mine == self._top:
                 cap = min(limits.hard_cap(worker), limits.top_cap(worker) + below)
@@ -189,6 +197,7 @@ class AdmissionController:
                 cap = limits.proven_cap(worker)
                 cap -= min(cap - 1, kept)
                 prefill_cap -= min(prefill_cap - 1, 1)
+            cap -= yielded
         if limits.occupied(worker, now) >= cap:
             return True
         if (
@@ -316,11 +325,21 @@ class AdmissionController:
         reserving = self._reserving(slots, now)
         # Only tiers below the top keep to the prefill budget: the top tier skips the lookup.
         top = ticket.tier.priority == self._top
+        # Requests of higher tiers queued in other gateway processes, as this process's own
+        # would be: ahead of this one, for the next slots of the workers they may run on.
+        elsewhere = 0 if top else self.demand.queued_elsewhere(ticket.model, ticket.tier, now)
+        yielded = math.ceil(elsewhere / max(n, 1))
         full = frozenset(
             w.label
             for w in candidates
             if self._full(
-                w, ticket.tier, n, now, reserving, 0.0 if top else self._uncached(ticket, w)
+                w,
+                ticket.tier,
+                n,
+                now,
+                reserving,
+                0.0 if top else self._uncached(ticket, w),
+                yielded,
             )
         )
         if len(full) == n:
@@ -337,10 +356,11 @@ class AdmissionController:
     def _reserving(self, slots: int, now: float) -> bool:
         """Whether lower tiers must leave slots free for higher ones on workers of ``slots``.
 
-        Only when the pool is expected to saturate: every tier's expected running slots
-        (Little's law over the holds as measured, :meth:`app.demand.TierDemand.expected_total`)
-        add up to at least what the workers may run. Below that every request fits, whatever
-        its tier, and holding slots back would only queue lower tiers on workers with room.
+        Only when the pool is expected to saturate: every tier's expected requests in, queued
+        or running (Little's law over the waits and holds as measured,
+        :meth:`app.demand.TierDemand.expected_total`), add up to at least what the workers may
+        run. Below that every request fits, whatever its tier, and holding slots back would
+        only queue lower tiers on workers with room.
         """
         expected = self.demand.expected_total(now)
         return expected > 0 and expected >= slots
@@ -400,6 +420,7 @@ class AdmissionController:
                 room = self._try(ticket, now)
                 if room is not None:
                     self._decide(ticket.tier, Decision.ADMITTED)
+                    self.demand.waited(ticket.tier.priority, 0.0)
                     return self.lease(room, ticket), 0.0
             margin = self._start_margin(ticket, fastest, now)
         except UpstreamUnavailable:
@@ -443,15 +464,14 @@ class AdmissionController:
             self.poke()
             raise
         waited = self._clock() - now
+        self.demand.waited(ticket.tier.priority, waited)
         self._metrics.queue_wait.labels(ticket.tier.name).observe(waited)
         return lease, waited
 
     def _waiting_ahead(self, ticket: Ticket) -> bool:
         """Whether a queued request of the same model and at least this tier waits already."""
-        priority = ticket.tier.priority
-        return any(
-            n for (model, p), n in self._queued.items() if model == ticket.model and p <= priority
-        )
+        priority, queued = ticket.tier.priority, self.demand.queued
+        return any(n for (model, p), n in queued.items() if model == ticket.model and p <= priority)
 
     def _shed_for(self, ticket: Ticket) -> bool:
         """Drop the least urgent sheddable request of a lower tier, if there is one.
@@ -507,6 +527,7 @@ class AdmissionController:
             if ticket.deadline <= now:
                 self._remove(ticket)
                 self._decide(ticket.tier, Decision.EXPIRED, Reason.QUEUE_TIMEOUT)
+                self.demand.waited(ticket.tier.priority, now - ticket.arrival)
                 future.set_exception(
                     QueueTimeout(
                         f"The request waited {now - ticket.arrival:.2f} s in the '"
@@ -553,7 +574,7 @@ class AdmissionController:
         index = bisect.bisect(self._keys, ticket.key)
         self._keys.insert(index, ticket.key)
         self._queue.insert(index, ticket)
-        self._queued[(ticket.model, ticket.tier.priority)] += 1
+        self.demand.queued[(ticket.model, ticket.tier.priority)] += 1
         self._metrics.queue_depth.labels(ticket.tier.name).inc()
         if len(self._queue) == 1:
             self.drain.backlogged(True, self._clock())
@@ -562,7 +583,7 @@ class AdmissionController:
         index = bisect.bisect_left(self._keys, ticket.key)
         del self._queue[index]
         del self._keys[index]
-        self._queued[(ticket.model, ticket.tier.priority)] -= 1
+        self.demand.queued[(ticket.model, ticket.tier.priority)] -= 1
         self._metrics.queue_depth.labels(ticket.tier.name).dec()
         if not self._queue:
             self.drain.backlogged(False, self._clock())
@@ -582,7 +603,7 @@ class AdmissionController:
     def _ahead(self, ticket: Ticket) -> int:
         """Queued requests that go before ``ticket`` (its tier and higher), plus itself."""
         priority = ticket.tier.priority
-        return 1 + sum(n for (_, p), n in self._queued.items() if p <= priority)
+        return 1 + sum(n for (_, p), n in self.demand.queued.items() if p <= priority)
 
     def _expected_wait(self, ticket: Ticket, now: float) -> float:
         """Seconds until the requests queued ahead of ``ticket``, and then it, get a slot.

@@ -64,10 +64,11 @@ class _Window:
 
 
 class ArrivalCounts(Protocol):
-    """Arrivals at the rest of the fleet (other processes and replicas), as last read.
+    """Arrivals and queued requests at the rest of the fleet (other processes and replicas).
 
-    :class:`TierDemand` adds them to its own in every window: the slots kept for a tier are
-    then kept for its arrivals fleet-wide (:mod:`app.shared` reads them from Redis).
+    As last read (:mod:`app.shared` reads them from Redis). :class:`TierDemand` adds the
+    arrivals to its own in every window: the slots kept for a tier are then kept for its
+    arrivals fleet-wide.
     """
 
     def counts(self, span_s: float, now: float) -> Mapping[int, int]:
@@ -75,6 +76,9 @@ class ArrivalCounts(Protocol):
 
     def oldest_age(self, now: float) -> float:
         """Seconds since the oldest arrival elsewhere within the last ``WINDOWS_S[0]`` (0: none)."""
+
+    def queued(self, model: str, now: float) -> Mapping[int, int]:
+        """Requests for ``model`` queued elsewhere per tier priority (empty: none, or unknown)."""
 
 
 class TierDemand:
@@ -90,11 +94,15 @@ class TierDemand:
         """Per tier priority: the mean hold, counted at least at the TPOT aim (slots kept)."""
         self._held_seen: dict[int, float] = {}
         """Per tier priority: the mean hold as measured (whether the pool will saturate)."""
+        self._waited: dict[int, float] = {}
+        """Per tier priority: the mean wait in the queue (0 for a request let in at once)."""
         self._decoded: dict[int, float] = {}
         """Per tier priority: the mean tokens a stream had after its first."""
         self._short_at: dict[int, float] = {}
         """Per tier priority: when it last had a request turned away."""
         self._rates: tuple[float, dict[int, float]] = _NOT_COMPUTED
+        self.queued: Counter[tuple[str, int]] = Counter()
+        """Requests queued here per (model, tier priority): admission keeps it, others read it."""
         self.fleet: ArrivalCounts | None = None
         """The rest of the fleet's arrivals, added to this process's own (None: alone)."""
 
@@ -107,6 +115,27 @@ class TierDemand:
         counts = {w.span: w.at(now) for w in (self._window, *self._spans)}
         arrivals = self._window.arrivals
         return counts, now - arrivals[0][0] if arrivals else 0.0
+
+    def local_queued(self) -> dict[str, dict[int, int]]:
+        """What this process publishes of its queue: per model, requests per tier priority."""
+        published: dict[str, dict[int, int]] = {}
+        for (model, priority), n in self.queued.items():
+            if n:
+                published.setdefault(model, {})[priority] = n
+        return published
+
+    def queued_elsewhere(self, model: str, tier: TierSpec, now: float) -> int:
+        """Requests for ``model`` of the tiers above ``tier`` queued at the rest of the fleet.
+
+        In one process a lower tier never overtakes a queued higher one (strict priority); a
+        process that saw only its own queue handed every slot freed on a shared worker to its
+        own batch before another process's queued interactive requests could see the slot (a
+        sync later), and those waited out their TTFT target (a flood of batch requests through
+        one process, interactive through the other, with the worker's slots all taken).
+        """
+        if self.fleet is None:
+            return 0
+        return sum(n for p, n in self.fleet.queued(model, now).items() if p < tier.priority)
 
     def _counts(self, window: _Window, now: float) -> Counter[int]:
         """The window's arrivals here, plus the rest of the fleet's when they are known."""
@@ -158,6 +187,10 @@ class TierDemand:
         if aim is not None and decoded > 0 and decode_s < decoded * aim:
             held_s += decoded * aim - decode_s
         _average(self._held, priority, held_s)
+
+    def waited(self, priority: int, waited_s: float) -> None:
+        """A request of tier ``priority`` left the queue after ``waited_s`` (0: never queued)."""
+        _average(self._waited, priority, waited_s)
 
     def typical_decode(self, priority: int) -> float | None:
         """The mean tokens after the first of tier ``priority``'s streams (None: none seen)."""
@@ -234,11 +267,20 @@ class TierDemand:
         return rates
 
     def expected_total(self, now: float) -> float:
-        """How many running slots all tiers together are expected to hold, as they run now.
+        """How many requests all tiers together are expected to have in, queued or running.
 
-        Little's law over the holds as measured (:meth:`held`), not at the TPOT aim.
+        Little's law over the waits in the queue and the holds as measured (:meth:`held`), not
+        at the TPOT aim. The waits count: clients that send their next request when the last
+        one ends (a batch job of fixed concurrency) arrive only as fast as requests finish, so
+        over the holds alone the slots they are expected to hold are at most what the workers
+        run, however many wait, and the pool read as saturated only by chance (seen: 6 batch
+        streams on 4 slots read as 3.3-4.5 slots, and interactive requests of another gateway
+        process waited out their TTFT target while batch took every slot).
         """
-        return sum(self._expected(now, self._held_seen).values())
+        rates = self.arrival_rates(now)
+        held, waited = self._held_seen, self._waited
+        fallback = max(held.values(), default=0.0)
+        return sum(rate * (held.get(p, fallback) + waited.get(p, 0.0)) for p, rate in rates.items())
 
     def kept_for_higher(self, tier: TierSpec, workers: int, running_above: int, now: float) -> int:
         """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.

@@ -403,8 +403,8 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None,
         description="Redis shared by every process and replica (redis://host:6379/0): per-key "
-        "limits, requests in flight per worker and each tier's arrivals hold fleet-wide. Unset: "
-        "each process keeps its own.",
+        "limits, requests in flight per worker, each tier's arrivals and queued requests hold "
+        "fleet-wide. Unset: each process keeps its own.",
     )
     redis_timeout_s: float = Field(
         default=0.05,
@@ -415,8 +415,8 @@ class Settings(BaseSettings):
     redis_sync_interval_s: float = Field(
         default=0.2,
         gt=0,
-        description="How often each process publishes its requests in flight per worker and "
-        "its arrivals per tier to Redis, and reads everybody else's.",
+        description="How often each process publishes its requests in flight per worker, its "
+        "arrivals and queued requests per tier to Redis, and reads everybody else's.",
     )
     access_log: bool = Field(default=True, description="One log line per finished request.")
     log_level: str = Field(default="info", description="Python logging level.")

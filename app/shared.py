@@ -10,13 +10,15 @@ Three things hold fleet-wide instead of per process:
   per minute are the same token bucket as :class:`app.auth.TokenBucket`, kept in Redis: a
   request is charged its estimate when admitted and corrected with its real usage at its end,
   and a key may go into debt by one request.
-* **requests in flight per worker**: every ``GATEWAY_REDIS_SYNC_INTERVAL_S`` each process
-  publishes its own, with a short expiry, and reads everybody else's
-  (:attr:`app.workers.Worker.fleet_others`): admission's saturation view is the fleet's, within
-  a sync or two rather than a load scrape.
-* **each tier's recent arrivals**, in the same sync, read by :class:`app.demand.TierDemand`
-  through :class:`FleetArrivals`: the capacity kept for a higher tier is kept for the arrivals
-  of the whole fleet.
+* **requests in flight per worker**, and of them per tier: every
+  ``GATEWAY_REDIS_SYNC_INTERVAL_S`` each process publishes its own, with a short expiry, and
+  reads everybody else's (:attr:`app.workers.Worker.fleet_others`): admission's saturation view
+  is the fleet's, within a sync or two rather than a load scrape, and so are the tiers it
+  weighs on a worker (what a tier above already runs there, what a lower tier holds).
+* **each tier's recent arrivals and queued requests**, in the same sync, read by
+  :class:`app.demand.TierDemand` through :class:`FleetArrivals`: the capacity kept for a higher
+  tier is kept for the arrivals of the whole fleet, and a lower tier leaves the next slots of a
+  worker to the higher tiers' requests queued in other processes, as it would in one queue.
 
 Nothing here is on a request's path but the key check, and only for keys with a limit. Redis
 down, slow or restarted never costs a request: every call has the timeout budget, and the
@@ -192,14 +194,21 @@ class FleetArrivals(ArrivalCounts):
     def __init__(self) -> None:
         self._counts: dict[float, Counter[int]] = {}
         self._oldest = 0.0
+        self._queued: dict[str, Counter[int]] = {}
         self._until = -math.inf
 
     def update(
-        self, counts: dict[float, Counter[int]], oldest_age: float, now: float, fresh_s: float
+        self,
+        counts: dict[float, Counter[int]],
+        oldest_age: float,
+        now: float,
+        fresh_s: float,
+        queued: dict[str, Counter[int]] | None = None,
     ) -> None:
         """Take a new reading at ``now``, good for ``fresh_s``."""
         self._counts = counts
         self._oldest = oldest_age
+        self._queued = queued or {}
         self._until = now + fresh_s
 
     def counts(self, span_s: float, now: float) -> Mapping[int, int]:
@@ -211,6 +220,12 @@ class FleetArrivals(ArrivalCounts):
     def oldest_age(self, now: float) -> float:
         """Seconds since the oldest arrival elsewhere in the long window (0: none, or stale)."""
         return 0.0 if now > self._until else self._oldest
+
+    def queued(self, model: str, now: float) -> Mapping[int, int]:
+        """Requests for ``model`` queued elsewhere per tier priority; empty when stale."""
+        if now > self._until:
+            return {}
+        return self._queued.get(model, {})
 
 
 class SharedState:
@@ -376,8 +391,17 @@ class SharedState:
         counts, oldest = demand.local_counts(now)
         state = {
             "w": {label: w.in_flight for label, w in pool.workers.items() if w.in_flight},
+            "t": {
+                label: {tier: n for tier, n in w.tier_in_flight.items() if n}
+                for label, w in pool.workers.items()
+                if w.in_flight
+            },
             "a": {f"{s:g}": {str(p): n for p, n in c.items() if n} for s, c in counts.items()},
             "o": round(oldest, 3),
+            "q": {
+                model: {str(p): n for p, n in by_tier.items()}
+                for model, by_tier in demand.local_queued().items()
+            },
         }
         # Every key with requests here, and every key whose count changed since the last
         # round: a refused acquisition, a lost release, a restarted Redis are all mended here.
@@ -400,10 +424,12 @@ class SharedState:
         self._read(reply, pool, now)
 
     def _read(self, reply: list[bytes], pool: WorkerPool, now: float) -> None:
-        """Take the other processes' states: requests per worker, arrivals per tier."""
+        """Take the other processes' states: requests per worker, arrivals and queues per tier."""
         redis_now = int(reply[0])
         workers: Counter[str] = Counter()
+        tiers: dict[str, Counter[str]] = {}
         spans: dict[float, Counter[int]] = {}
+        queued: dict[str, Counter[int]] = {}
         oldest = 0.0
         for raw in reply[1:]:
             published, _, text = raw.partition(b"|")
@@ -411,18 +437,27 @@ class SharedState:
                 state = json.loads(text)
                 age = max(0.0, (redis_now - int(published)) / 1000)
                 workers.update(state["w"])
+                for label, counts in state.get("t", {}).items():
+                    tiers.setdefault(label, Counter()).update(
+                        {str(t): int(n) for t, n in counts.items()}
+                    )
                 for span, counts in state["a"].items():
                     into = spans.setdefault(float(span), Counter())
                     into.update({int(p): int(n) for p, n in counts.items()})
                 if state["o"]:
                     oldest = max(oldest, float(state["o"]) + age)
+                for model, counts in state.get("q", {}).items():
+                    into = queued.setdefault(str(model), Counter())
+                    into.update({int(p): int(n) for p, n in counts.items()})
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a state this version cannot read: leave it out
         self.processes = len(reply)  # the others' states, and this one's
         fresh = _STALE_SYNCS * self._interval
         for label, worker in pool.workers.items():
-            worker.set_fleet_others(float(workers.get(label, 0)), now, fresh)
-        self.arrivals.update(spans, oldest, now, fresh)
+            worker.set_fleet_others(
+                float(workers.get(label, 0)), now, fresh, dict(tiers.get(label, {}))
+            )
+        self.arrivals.update(spans, oldest, now, fresh, queued)
 
     async def stop(self) -> None:
         """Stop the sync and close the connections."""

@@ -98,6 +98,8 @@ class Worker:
         """Requests the fleet's other gateway processes have open here, as last read from Redis."""
         self.fleet_until = -math.inf
         """Until when ``fleet_others`` counts (a reading goes stale when Redis is not read)."""
+        self.fleet_tiers: dict[str, int] = {}
+        """Of ``fleet_others``, how many per tier (as ``tier_in_flight`` is of ``in_flight``)."""
         self.fingerprint: bytes | None = None
         """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
         self.prefixes = PrefixIndex()
@@ -145,10 +147,20 @@ class Worker:
             return fleet
         return max(fleet, sample.running + sample.waiting - self.own_at_scrape)
 
-    def set_fleet_others(self, others: float, now: float, fresh_s: float) -> None:
-        """The fleet's other gateway processes have ``others`` requests open here (read now)."""
+    def set_fleet_others(
+        self, others: float, now: float, fresh_s: float, tiers: dict[str, int] | None = None
+    ) -> None:
+        """The fleet's other gateway processes have ``others`` requests open here (read now).
+
+        ``tiers``: how many of them per tier.
+        """
         self.fleet_others = others
+        self.fleet_tiers = tiers or {}
         self.fleet_until = now + fresh_s
+
+    def fleet_tier_in_flight(self, now: float) -> dict[str, int]:
+        """The fleet's other processes' requests here per tier; empty when the reading is stale."""
+        return self.fleet_tiers if now <= self.fleet_until else {}
 
     def saturated(self, now: float, max_age: float, waiting: float, kv_cache: float) -> bool:
         """Whether the worker says it is full (fresh figures only).

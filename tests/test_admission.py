@@ -464,6 +464,74 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     assert admission._try(batch, clock.now) is None
 
 
+def test_a_closed_loop_flood_reads_as_saturation_by_its_waits() -> None:
+    """Six batch clients on 4 slots, each sending its next request as the last ends: they
+    arrive only as fast as requests finish (10/s, 0.4 s each), so the holds alone expect 4.0
+    slots of 4 at most. Their waits in the queue (a third of them wait 0.4 s) say the pool is
+    saturated, and batch leaves a slot to interactive."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock, max_running_per_worker=4)
+    worker = pool.workers["a:1"]
+    top, low = (_tier(settings, name).priority for name in ("interactive", "batch"))
+    admission.completed("batch", 0.4)
+    # 9 a second watched over 10 s (the gateway's start diluting the rate, as seen).
+    _arrive(admission, [(clock.now - 9.9 + t / 9, low) for t in range(90)])
+    _arrive(admission, [(clock.now - 1.9 + t, top) for t in range(2)])
+    assert admission.demand.expected_total(clock.now) == pytest.approx((90 + 2) / 9.9 * 0.4)
+    assert not admission._reserving(4, clock.now)
+    worker.in_flight = 3
+    assert admission._try(_ticket(settings, clock, "batch"), clock.now) is not None
+    for _ in range(30):
+        admission.demand.waited(low, 0.0)
+        admission.demand.waited(low, 0.0)
+        admission.demand.waited(low, 0.4)
+    assert admission.demand.expected_total(clock.now) > 4
+    assert admission._reserving(4, clock.now)
+    assert admission._try(_ticket(settings, clock, "batch"), clock.now) is None
+    assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
+
+
+class QueuedElsewhere:
+    """The rest of the fleet as :mod:`app.shared` reads it: no arrivals, these queued."""
+
+    def __init__(self, queued: dict[str, dict[int, int]]) -> None:
+        self._queued = queued
+
+    def counts(self, span_s: float, now: float) -> dict[int, int]:
+        return {}
+
+    def oldest_age(self, now: float) -> float:
+        return 0.0
+
+    def queued(self, model: str, now: float) -> dict[int, int]:
+        return self._queued.get(model, {})
+
+
+def test_a_lower_tier_leaves_the_next_slots_to_higher_tiers_queued_elsewhere() -> None:
+    """Another gateway process has interactive requests queued for the model: batch here does
+    not take the slots they wait for, even the last, as it would not overtake them in one
+    queue; a higher tier here is not held back by lower ones queued there."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock, max_running_per_worker=4)
+    worker = pool.workers["a:1"]
+    top, middle = (_tier(settings, name).priority for name in ("interactive", "standard"))
+    worker.in_flight = 2
+    batch, standard = _ticket(settings, clock, "batch"), _ticket(settings, clock, "standard")
+    assert admission._try(batch, clock.now) is not None
+    admission.demand.fleet = QueuedElsewhere({MODEL: {top: 2}, "other-model": {top: 5}})
+    assert admission.demand.queued_elsewhere(MODEL, batch.tier, clock.now) == 2
+    assert admission._try(batch, clock.now) is None
+    assert admission._try(standard, clock.now) is None
+    worker.in_flight = 1
+    assert admission._try(batch, clock.now) is not None
+    # Only tiers above count: standard queued there holds batch here, not interactive.
+    worker.in_flight = 3
+    admission.demand.fleet = QueuedElsewhere({MODEL: {middle: 1}})
+    assert admission._try(batch, clock.now) is None
+    assert admission._try(standard, clock.now) is not None
+    assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
+
+
 def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     """A running request cannot be preempted: a higher tier goes past the limit by what lower
     tiers run, the top tier as far as the hard cap, a middle one as far as the TPOT target."""
@@ -519,6 +587,29 @@ def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     assert admission._full(worker, interactive, reserving=False)
     worker.in_flight = 21
     assert not admission._full(worker, interactive, reserving=False)
+
+
+def test_lower_tiers_streams_of_other_gateway_processes_count_as_lower_tiers() -> None:
+    """Another process runs 20 batch streams on the worker, the limit: the top tier here goes
+    past it by as many as it would by its own process's, and batch here does not."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 20
+    interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
+    worker.set_fleet_others(20, clock.now, 1.0, {"batch": 20})
+    assert admission.limits.occupied(worker, clock.now) == 20
+    assert not admission._full(worker, interactive, reserving=False)
+    assert admission._full(worker, batch, reserving=False)
+    # Interactive streams there are the tier's own: no way past the limit.
+    worker.set_fleet_others(20, clock.now, 1.0, {"interactive": 20})
+    assert admission._full(worker, interactive, reserving=False)
+    # A tier this process does not know (another configuration, mid-rollout) counts as
+    # nobody's, and a reading gone stale not at all.
+    worker.set_fleet_others(20, clock.now, 1.0, {"gold": 20})
+    assert admission._full(worker, interactive, reserving=False)
+    worker.set_fleet_others(20, clock.now, 1.0, {"batch": 20})
+    assert worker.fleet_tier_in_flight(clock.now + 2.0) == {}
 
 
 def test_a_surge_is_read_from_the_shortest_span_where_it_cannot_be_chance() -> None:

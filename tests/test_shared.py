@@ -218,13 +218,17 @@ async def test_each_process_sees_the_others_requests_on_a_worker(
     a, b, c = processes
     label = next(iter(a.pool.workers))
     b.pool.workers[label].in_flight = 5
+    b.pool.workers[label].tier_in_flight.update(interactive=1, batch=4)
     c.pool.workers[label].in_flight = 2
+    c.pool.workers[label].tier_in_flight.update(batch=2, standard=0)
     await b.sync()
     await c.sync()
     await a.sync()
     now = default_clock()
     worker = a.pool.workers[label]
     assert worker.fleet_others == 7
+    assert worker.fleet_tier_in_flight(now) == {"interactive": 1, "batch": 6}
+    assert worker.fleet_tier_in_flight(now + 1.0) == {}
     assert worker.others(now, 2.0) == 7  # no load scrape: the fleet's count alone
     # Gone stale (no sync for a while): the fleet's count no longer counts.
     assert worker.others(now + 1.0, 2.0) == 0
@@ -244,3 +248,31 @@ async def test_arrivals_elsewhere_keep_slots_for_a_higher_tier_here(
     await b.sync()
     await a.sync()
     assert a.demand.kept_for_higher(tiers["batch"], 1, 0, default_clock()) > 0
+
+
+async def test_requests_queued_elsewhere_are_read_per_model_and_tier(
+    processes: list[Process],
+) -> None:
+    a, b, c = processes
+    tiers = {t.name: t for t in _settings().tiers}
+    top, middle = tiers["interactive"].priority, tiers["standard"].priority
+    b.demand.queued[("m", top)] = 2
+    b.demand.queued[("m", middle)] = 0  # none left: not published
+    c.demand.queued[("m", middle)] = 3
+    c.demand.queued[("other", top)] = 1
+    for process in (b, c, a):
+        await process.sync()
+    now = default_clock()
+    assert a.demand.queued_elsewhere("m", tiers["batch"], now) == 5
+    assert a.demand.queued_elsewhere("m", tiers["standard"], now) == 2
+    assert a.demand.queued_elsewhere("m", tiers["interactive"], now) == 0
+    assert a.demand.queued_elsewhere("other", tiers["batch"], now) == 1
+    # Its own queue is not counted as elsewhere: b sees c's 3 alone.
+    await b.sync()
+    assert b.demand.queued_elsewhere("m", tiers["batch"], default_clock()) == 3
+    # Once dispatched, gone from the next reading; and a stale reading counts for nothing.
+    c.demand.queued[("m", middle)] = 0
+    await c.sync()
+    await b.sync()
+    assert b.demand.queued_elsewhere("m", tiers["batch"], default_clock()) == 0
+    assert a.demand.queued_elsewhere("m", tiers["batch"], now + 1.0) == 0
