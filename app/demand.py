@@ -277,10 +277,9 @@ class TierDemand:
         streams on 4 slots read as 3.3-4.5 slots, and interactive requests of another gateway
         process waited out their TTFT target while batch took every slot).
         """
-        rates = self.arrival_rates(now)
-        held, waited = self._held_seen, self._waited
-        fallback = max(held.values(), default=0.0)
-        return sum(rate * (held.get(p, fallback) + waited.get(p, 0.0)) for p, rate in rates.items())
+        waited = self._waited
+        waiting = sum(rate * waited.get(p, 0.0) for p, rate in self.arrival_rates(now).items())
+        return sum(self._expected(now, self._held_seen).values()) + waiting
 
     def kept_for_higher(self, tier: TierSpec, workers: int, running_above: int, now: float) -> int:
         """Running slots of one of ``workers`` that ``tier`` must leave free for the tiers above.

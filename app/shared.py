@@ -203,12 +203,12 @@ class FleetArrivals(ArrivalCounts):
         oldest_age: float,
         now: float,
         fresh_s: float,
-        queued: dict[str, Counter[int]] | None = None,
+        queued: dict[str, Counter[int]],
     ) -> None:
         """Take a new reading at ``now``, good for ``fresh_s``."""
         self._counts = counts
         self._oldest = oldest_age
-        self._queued = queued or {}
+        self._queued = queued
         self._until = now + fresh_s
 
     def counts(self, span_s: float, now: float) -> Mapping[int, int]:
@@ -454,9 +454,7 @@ class SharedState:
         self.processes = len(reply)  # the others' states, and this one's
         fresh = _STALE_SYNCS * self._interval
         for label, worker in pool.workers.items():
-            worker.set_fleet_others(
-                float(workers.get(label, 0)), now, fresh, dict(tiers.get(label, {}))
-            )
+            worker.set_fleet_others(float(workers.get(label, 0)), now, fresh, tiers.get(label, {}))
         self.arrivals.update(spans, oldest, now, fresh, queued)
 
     async def stop(self) -> None:

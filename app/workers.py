@@ -148,14 +148,14 @@ class Worker:
         return max(fleet, sample.running + sample.waiting - self.own_at_scrape)
 
     def set_fleet_others(
-        self, others: float, now: float, fresh_s: float, tiers: dict[str, int] | None = None
+        self, others: float, now: float, fresh_s: float, tiers: dict[str, int]
     ) -> None:
         """The fleet's other gateway processes have ``others`` requests open here (read now).
 
         ``tiers``: how many of them per tier.
         """
         self.fleet_others = others
-        self.fleet_tiers = tiers or {}
+        self.fleet_tiers = tiers
         self.fleet_until = now + fresh_s
 
     def fleet_tier_in_flight(self, now: float) -> dict[str, int]:
