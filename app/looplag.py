@@ -15,6 +15,9 @@ from collections import deque
 
 from prometheus_client import Histogram
 
+# A timeout that fired more than this share of its length after it was due fired late.
+LATE_FRACTION = 0.25
+
 LAG_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5,
@@ -66,3 +69,16 @@ class LoopLagProbe:
         """Record one tick ``lag`` seconds late."""
         self._histogram.observe(lag)
         self._recent.append(lag)
+
+
+def fired_late(started: float, now: float, timeout_s: float | None) -> bool:
+    """Whether a timeout of ``timeout_s`` that ran from ``started`` fired late, at ``now``.
+
+    A timer runs late only while the loop is busy, and then what it guarded (a connect, a
+    probe's answer) may well have come in time and waited behind the loop's backlog: libuv runs
+    the timers that are due before it polls for I/O, so after a stall the timeout wins. Such a
+    timeout is the gateway's own failure, not the worker's: seen at 9,800 streams ramping up on
+    one process, the loop 1-2.5 s late, connects to healthy workers "timed out" by the thousand
+    and every worker was ejected. Times are ``loop.time()``.
+    """
+    return timeout_s is not None and now - started > timeout_s * (1.0 + LATE_FRACTION)

@@ -109,6 +109,9 @@ class Histogram(_KeptChildren, prometheus_client.Histogram):
 
 UPSTREAM_CONNECTIONS = "upstream_connections"
 """The ``resource`` of ``gateway_saturated_total``: the gateway's connections to the workers."""
+EVENT_LOOP = "event_loop"
+"""The ``resource`` of ``gateway_saturated_total``: the gateway's event loop, too busy to connect
+to a worker in time."""
 
 
 class BatchHistogram(Collector):
@@ -538,6 +541,7 @@ class GatewayMetrics:
             ["resource"], registry=reg,
         )  # fmt: skip
         self.saturated.labels(UPSTREAM_CONNECTIONS)
+        self.saturated.labels(EVENT_LOOP)
         # Unlabelled, so they exist at zero: an alert on "no worker" needs a series that says 0.
         self.workers_known = Gauge(
             "gateway_workers_known", "Workers the gateway knows (configured or discovered).",

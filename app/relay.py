@@ -244,7 +244,7 @@ class Relay(Response):
                 self._drop_client()
                 return
             except GatewayError as error:
-                deps.pool.report_failure(lease.worker, error.code or "error")
+                deps.pool.report_failure(lease.worker, error.code or "error", lease.dispatched)
                 if self._answered:  # after the whole answer: nothing to fail over
                     await self._fail(send, error, error.__cause__)
                     return

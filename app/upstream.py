@@ -9,6 +9,7 @@ number of streams (at 128 streams half the gateway's CPU went there).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import functools
@@ -33,7 +34,8 @@ from app.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from app.metrics import UPSTREAM_CONNECTIONS, GatewayMetrics
+from app.looplag import fired_late
+from app.metrics import EVENT_LOOP, UPSTREAM_CONNECTIONS, GatewayMetrics
 from app.protocol import Upload
 from app.settings import Settings
 from app.workers import Worker, worker_headers
@@ -85,6 +87,15 @@ class UpstreamSlots:
         return GatewaySaturated(
             f"The gateway has all {self.limit} of its connections to the workers in use "
             "(GATEWAY_MAX_UPSTREAM_CONNECTIONS); retry shortly.",
+            1.0,
+        )
+
+    def late(self, seconds: float) -> GatewaySaturated:
+        """The error for a connect the gateway's own busy loop let time out (``seconds`` taken)."""
+        self._metrics.saturated.labels(EVENT_LOOP).inc()
+        return GatewaySaturated(
+            f"The gateway was too busy to connect to a worker in time ({seconds:.1f} s); "
+            "retry shortly.",
             1.0,
         )
 
@@ -322,12 +333,17 @@ async def _send(
     request = httpx.Request(
         "POST", _url(worker.spec.base_url, path), headers=headers, content=content
     )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     try:
         response = await client.send(request, stream=True)
     except httpx.PoolTimeout as exc:
         raise slots.saturated() from exc
     except httpx.TimeoutException as exc:
         if isinstance(exc, httpx.ConnectTimeout):
+            now = loop.time()
+            if fired_late(started, now, client.timeout.connect):
+                raise slots.late(now - started) from exc
             raise UpstreamUnavailable(
                 f"Worker {worker.label} could not be reached in time."
             ) from exc

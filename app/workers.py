@@ -25,6 +25,7 @@ import httpx
 from app.discovery import Resolver, discover
 from app.limiter import ConcurrencyLimit, DecodePace
 from app.loadsignals import LoadSample, parse_load
+from app.looplag import fired_late
 from app.metrics import OTHER_MODEL, GatewayMetrics
 from app.outcome import LimitCut
 from app.predictor import LatencyModel, RecentQuantile, WorkerLoad
@@ -365,8 +366,17 @@ class WorkerPool:
         ):
             worker.ejections = 0
 
-    def report_failure(self, worker: Worker, reason: str) -> None:
-        """A request failed on ``worker`` before its first byte (connect, 5xx, timeout)."""
+    def report_failure(self, worker: Worker, reason: str, sent_at: float | None = None) -> None:
+        """A request sent at ``sent_at`` failed on ``worker`` before its first byte.
+
+        A request sent before the worker's last ejection does not count: it failed of what
+        ejected the worker, one fault however many requests were in flight (a burst of 5,000
+        connects that timed out together ejected a worker 1,600 times over, for the longest
+        backoff, at its first fault).
+        """
+        last = worker.last_ejected
+        if sent_at is not None and last is not None and sent_at <= last:
+            return
         worker.failures += 1
         if worker.failures < self.settings.eject_after_failures:
             return
@@ -409,12 +419,13 @@ class WorkerPool:
 
     async def probe_models(self, worker: Worker) -> None:
         """Read ``/v1/models`` from ``worker``."""
+        started = asyncio.get_running_loop().time()
         try:
             response = await self._get(worker, "/v1/models", self.settings.connect_timeout_s)
             payload = response.json()
             cards = {str(card["id"]): card for card in payload["data"] if isinstance(card, dict)}
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            self._set_up(worker, False, exc)
+            self._probe_failed(worker, exc, started)
             return
         worker.cards = cards
         worker.models = set(cards) | set(worker.spec.models)
@@ -427,12 +438,29 @@ class WorkerPool:
         if not worker.discovered:
             await self.probe_models(worker)
             return
+        started = asyncio.get_running_loop().time()
         try:
             await self._get(worker, "/health", self.settings.connect_timeout_s)
         except httpx.HTTPError as exc:
-            self._set_up(worker, False, exc)
+            self._probe_failed(worker, exc, started)
         else:
             self._set_up(worker, True, None)
+
+    def _probe_failed(self, worker: Worker, error: BaseException, started: float) -> None:
+        """A probe started at ``started`` (loop time) failed: the worker is down.
+
+        Unless the probe timed out late, of the gateway's own busy loop
+        (:func:`app.looplag.fired_late`): that says nothing of the worker.
+        """
+        timeout = self.settings.connect_timeout_s
+        now = asyncio.get_running_loop().time()
+        if isinstance(error, httpx.TimeoutException) and fired_late(started, now, timeout):
+            log.info(
+                "probe of worker %s timed out %.1f s late: the gateway was busy, the worker's "
+                "state is kept", worker.label, now - started - timeout,
+            )  # fmt: skip
+            return
+        self._set_up(worker, False, error)
 
     async def scrape_load(self, worker: Worker) -> None:
         """Read the worker's load from its ``/metrics``."""

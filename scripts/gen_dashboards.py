@@ -636,7 +636,7 @@ def overview() -> Json:
             "the tier's TTFT target even on an idle worker), key_quota (the client's own key "
             "limit), no_worker, queue_timeout (waited to its deadline), shed (made room for a "
             "more urgent request); and gateway_saturated (503: the gateway's own connections "
-            "to the workers ran out; every tier).",
+            "ran out, or its event loop was too busy to connect in time; every tier).",
             refs(
                 [
                     (

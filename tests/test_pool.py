@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from typing import Any
 
 import httpx
@@ -356,13 +357,94 @@ async def test_the_first_token_timeout_runs_from_arrival_across_attempts() -> No
     assert took == pytest.approx(1.0, abs=0.25)  # not 0.7 + 1.0 s
 
 
-def test_thousands_of_failures_keep_the_backoff_at_its_longest() -> None:
-    # In-flight requests keep failing after an ejection; each three count one more ejection.
+def test_requests_sent_before_an_ejection_do_not_eject_the_worker_again() -> None:
+    # Thousands in flight fail of one fault: one ejection, at the first backoff.
+    clock = FakeClock()
+    settings = settings_for("http://a:1", eject_after_failures=3, eject_base_s=1.0)
+    pool = _pool(settings, clock)
+    a = pool.workers["a:1"]
+    a.up = True
+    sent = clock.now
+    clock.now += 2.0  # they time out together
+    for _ in range(3 * 1100):
+        pool.report_failure(a, "no_worker", sent)
+    assert a.ejections == 1
+    assert a.ejected_until == pytest.approx(clock.now + 1.0)
+    clock.now += 1.5  # back, and the stragglers of the burst still do not count
+    pool.report_failure(a, "no_worker", sent)
+    assert a.failures == 0
+    assert a.healthy(clock.now)
+    for _ in range(3):  # requests sent after the ejection do
+        pool.report_failure(a, "no_worker", clock.now)
+    assert a.ejections == 2
+    assert not a.healthy(clock.now)
+
+
+def test_thousands_of_ejections_keep_the_backoff_at_its_longest() -> None:
     clock = FakeClock()
     settings = settings_for("http://a:1", eject_after_failures=3, eject_max_s=30.0)
     pool = _pool(settings, clock)
     a = pool.workers["a:1"]
     a.up = True
     for _ in range(3 * 1100):
-        pool.report_failure(a, "no_worker")
+        clock.now += 0.001
+        pool.report_failure(a, "no_worker", clock.now)
     assert a.ejected_until == pytest.approx(clock.now + 30.0)
+
+
+def _stall_then(exc: type[httpx.TimeoutException], stall_s: float) -> httpx.MockTransport:
+    """A transport whose requests block the event loop for ``stall_s`` and then time out.
+
+    As a long pause of a busy gateway's loop looks: the timeout is due while the loop is stuck,
+    and it fires (late) once the loop runs again, before anything else it had waiting.
+    """
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        time.sleep(stall_s)  # noqa: ASYNC251 - the point: nothing else may run meanwhile
+        await asyncio.sleep(0)
+        raise exc("timed out", request=request)
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize(("stall_s", "stays_up"), [(1.4, True), (0.0, False)])
+async def test_a_probe_that_timed_out_late_of_the_gateways_busy_loop_keeps_the_worker_up(
+    stall_s: float, stays_up: bool
+) -> None:
+    settings = settings_for("http://a:1", connect_timeout_s=1.0)
+    client = httpx.AsyncClient(transport=_stall_then(httpx.ReadTimeout, stall_s))
+    pool = WorkerPool(settings, client, GatewayMetrics(settings), FakeClock(), FakeResolver())
+    a = pool.workers["a:1"]
+    a.up, a.cards = True, {MODEL: {"id": MODEL}}
+    await pool.probe_health(a)
+    assert a.up is stays_up
+
+
+@pytest.mark.parametrize(("stall_s", "code", "ejected"), [
+    (1.4, "gateway_saturated", 0.0), (0.0, "no_worker", 1.0),
+])  # fmt: skip
+async def test_a_connect_the_gateways_busy_loop_let_time_out_is_its_own(
+    stall_s: float, code: str, ejected: float
+) -> None:
+    stalls = _stall_then(httpx.ConnectTimeout, stall_s)
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            return await stalls.handle_async_request(request)
+        return await worker.handle(request)
+
+    worker = FakeWorker(lambda r, b: asyncio.sleep(0))  # type: ignore[arg-type,return-value]
+    settings = settings_for("http://w:1", connect_timeout_s=1.0, eject_after_failures=1)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        running_gateway(settings, httpx.MockTransport(handle)) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        r = await client.post("/v1/chat/completions", json=body)
+        metrics = (await client.get("/metrics")).text
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == code
+    saturated = 1.0 if code == "gateway_saturated" else 0.0
+    assert ("retry-after" in r.headers) is bool(saturated)
+    assert f'gateway_saturated_total{{resource="event_loop"}} {saturated}' in metrics
+    assert f'gateway_worker_ejections_total{{worker="w:1"}} {ejected}' in metrics
