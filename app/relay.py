@@ -12,7 +12,10 @@ status code. Once the first event was sent, a failure becomes an in-band
 
 Streams are relayed event by event as they arrive: no buffering, no merging, no splitting. A
 client that disconnects cancels the worker request at once (the worker sees its connection
-close and aborts the generation).
+close and aborts the generation). From the worker transport, each piece of the body is relayed
+in the worker connection's own callback, sent with the server's ``send`` run up to its first
+wait (:func:`send_now`): no task wakes up per event, and only a send that must wait for the
+client is left to the request's task.
 
 A client that stops reading is its own problem, never the worker's. Its stream's buffer is
 bounded by the server: uvicorn waits (the send blocks) once its transport holds more than its
@@ -30,9 +33,10 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import Callable
+import types
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 from starlette.responses import Response
@@ -72,7 +76,7 @@ from app.sse import (
     with_fingerprint,
 )
 from app.timing import RequestTimer
-from app.upstream import UpstreamSlots, chunk_reader, worker_response
+from app.upstream import UpstreamSlots, chunk_pusher, chunk_reader, worker_response
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -84,15 +88,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-class WriteFlow(Protocol):
-    """Whether the server holds back writes to a client (its write buffer is over its mark).
-
-    uvicorn's ``FlowControl``: while ``write_paused``, the next ``send`` waits for the client.
-    """
-
-    write_paused: bool
 
 
 @dataclass(slots=True)
@@ -123,8 +118,6 @@ class RequestContext:
     """Tokens charged to the key's per-minute allowance up front (corrected at the end)."""
     abort: Callable[[], None] | None = None
     """Drops the client's connection at once, unflushed (the server's, when it offers one)."""
-    flow: WriteFlow | None = None
-    """The server's write flow control of the client's connection, when it offers it."""
 
 
 class Relay(Response):
@@ -315,7 +308,7 @@ class Relay(Response):
             self._deps.admission.limits.paced(lease.worker, pace, at)
 
     async def _stream_once(self, send: Send, lease: Lease) -> None:
-        deps, timer, request = self._deps, self._timer, self._request
+        deps, timer = self._deps, self._timer
         settings = deps.settings
         loop = asyncio.get_running_loop()
         clock = timer.clock
@@ -327,111 +320,44 @@ class Relay(Response):
             if settings.request_timeout_s is None
             else loop.time() + settings.request_timeout_s - (clock() - timer.arrival)
         )
-        idle, stall = settings.idle_timeout_s, settings.client_stall_timeout_s
-        flow, sending = self._ctx.flow, False
-        keep_usage = request.wants_usage
-        # The worker was asked for a usage chunk the client did not ask for; vLLM then also
-        # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
-        restore = not keep_usage
-        # The Responses API ends with a typed event that carries the usage, not with [DONE].
-        responses = request.endpoint.events is Events.RESPONSES
-        kind_of = classify_response if responses else classify
-        splitter = EventSplitter()
-        worker = lease.worker
-        done = False
-        first = True
-        last_received: float | None = None
-        # Events held, in order, from a finish chunk until the usage chunk tells the worker's
-        # fingerprint: only while the gateway has not seen this worker's yet.
-        held: list[bytes] | None = None
-        held_outputs = 0
+        stall = settings.client_stall_timeout_s
+        sending = False
+        stream: _Stream | None = None
         self._tokens = None
         try:
             async with (
                 Deadline(_earliest(deadline_at, total_at)) as deadline,
                 self._response(lease) as upstream,
             ):
-                read = chunk_reader(upstream)
-                while data := await read():
-                    received = clock()
-                    events = splitter.feed(data)
-                    if not events:
-                        continue
-                    if first:
-                        first = False
-                        head = events[0]
-                        if restore and b'"usage"' in head and classify(head) is not EventKind.USAGE:
-                            # The worker sends usage whatever was asked
-                            # (--enable-force-include-usage): so it does to the client directly.
-                            keep_usage, restore = True, False
-                    out: list[bytes] = []
-                    outputs = 0
-                    for event in events:
-                        kind = kind_of(event)
-                        if kind is EventKind.OUTPUT:
-                            if last_received is None:
-                                self._first_output(lease, received)
-                            else:
-                                self._output_gap(lease, received - last_received, received)
-                            last_received = received
-                        elif kind is EventKind.USAGE:
-                            payload = event_json(event)
-                            self._tokens = usage_counts(payload) or self._tokens
-                            if restore:
-                                worker.fingerprint = fingerprint_member(payload)
-                                if held is not None:
-                                    out.extend(_restored(held, worker.fingerprint))
-                                    outputs, held, held_outputs = outputs + held_outputs, None, 0
-                            if not keep_usage:
-                                continue
-                        elif kind is EventKind.DONE:
-                            done = True
-                            if responses:
-                                self._tokens = usage_counts(event_json(event)) or self._tokens
-                        elif kind is EventKind.ERROR:
-                            self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
-                            done = done or responses  # response.failed ends its stream
-                        if restore and FINISH in event:
-                            member = worker.fingerprint
-                            if member is not None:
-                                event = with_fingerprint(event, member)
-                            elif held is None:
-                                held = []
-                        if held is not None:
-                            if kind is not EventKind.DONE and kind is not EventKind.ERROR:
-                                held.append(event)
-                                held_outputs += kind is EventKind.OUTPUT
-                                continue
-                            out.extend(held)  # no usage chunk came: the fingerprint is unknown
-                            outputs, held, held_outputs = outputs + held_outputs, None, 0
-                        out.append(event)
-                        outputs += kind is EventKind.OUTPUT
-                    if out:
-                        # A send waits while the client does not read (the server's write
-                        # buffer is full): the stall timeout's time, never the worker's. The one
-                        # deadline serves both; it is moved only when a send may wait.
-                        if not self._started or flow is None or flow.write_paused:
-                            sending = True
-                            deadline.move(_earliest(loop.time() + stall, total_at))
-                        sent = await self._relay(send, out, outputs)
-                        self._answered = done
-                        if sending:
-                            sending = False
-                            if last_received is None:
-                                deadline.move(_earliest(deadline_at, total_at))
+                stream = _Stream(self, send, lease, deadline, deadline_at, total_at)
+                read, pusher = chunk_reader(upstream), chunk_pusher(upstream)
+                while True:
+                    if pusher is not None and not pusher.ready:
+                        # Each event is relayed in the worker connection's own callback.
+                        pending = await pusher.push(stream.feed)
+                        if pending is None:
+                            break
                     else:
-                        sent = clock()
-                    if last_received is not None:
-                        deadline.move(_earliest(loop.time() + idle, total_at))
-                    timer.add_overhead(sent - received)
+                        data = await read()
+                        if not data:
+                            break
+                        pending = stream.feed(data)
+                    if pending is not None:
+                        # A send waits while the client does not read (the server's write
+                        # buffer is full): the stall timeout's time, never the worker's.
+                        sending = True
+                        deadline.move(_earliest(loop.time() + stall, total_at))
+                        await pending
+                        sending = False
+                        deadline.move(stream.read_deadline())
                 sending = True  # the end of the body waits for a client that does not read, too
                 deadline.move(_earliest(loop.time() + stall, total_at))
-                if held:
-                    await self._relay(send, held, held_outputs)
-                if not done:
+                if stream.held:
+                    await self._relay(send, stream.held, stream.held_outputs)
+                if not stream.done:
                     raise UpstreamInvalidResponse(
-                        f"Worker {worker.label} closed the stream before its end "
-                        f"({'response.completed' if responses else '[DONE]'})."
+                        f"Worker {lease.worker.label} closed the stream before its end "
+                        f"({'response.completed' if stream.responses else '[DONE]'})."
                     )
                 await self._end_body(send, b"")
         except TimeoutError as exc:
@@ -439,28 +365,53 @@ class Relay(Response):
                 raise ClientStalled(
                     f"The client read nothing for {stall:g} s; its stream was cut."
                 ) from exc
-            what = "the first token" if last_received is None else "the next event"
-            raise UpstreamTimeout(f"Worker {worker.label} timed out waiting for {what}.") from exc
+            started = stream is not None and stream.last_received is not None
+            what = "the next event" if started else "the first token"
+            raise UpstreamTimeout(
+                f"Worker {lease.worker.label} timed out waiting for {what}."
+            ) from exc
         except httpx.TransportError as exc:
             raise UpstreamInvalidResponse(
-                f"Worker {worker.label} broke off the stream: {type(exc).__name__}."
+                f"Worker {lease.worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
 
-    async def _relay(self, send: Send, events: list[bytes], outputs: int) -> float:
-        """Send whole events, ``outputs`` of them carrying output; return when they were sent.
+    async def _relay(self, send: Send, events: list[bytes], outputs: int) -> None:
+        """Send whole events, ``outputs`` of them carrying output, waiting as long as it takes."""
+        pending = self._send_events(send, events, outputs, self._answered)
+        if pending is not None:
+            await pending
 
-        The output events are timed when ``send`` returns, their bytes handed to the socket:
+    def _send_events(
+        self, send: Send, events: list[bytes], outputs: int, done: bool
+    ) -> Awaitable[None] | None:
+        """Send whole events now; an awaitable that finishes the send if it must wait.
+
+        The output events are timed when the send returns, their bytes handed to the socket:
         the moment the client can have them, not when the worker's bytes came in.
         """
-        if not self._started:
-            await self._start(send, 200, _SSE_HEADERS)
         body = events[0] if len(events) == 1 else b"".join(events)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
+        message: Message = {"type": "http.response.body", "body": body, "more_body": True}
+        if not self._started:
+            pending = send_now(send, self._start_message(200, _SSE_HEADERS))
+            if pending is not None:
+                return self._sent_later(_chained(pending, send, message), outputs, done)
+        pending = send_now(send, message)
+        if pending is not None:
+            return self._sent_later(pending, outputs, done)
+        self._sent(outputs, done)
+        return None
+
+    def _sent(self, outputs: int, done: bool) -> float:
         timer = self._timer
         sent = timer.clock()
         for _ in range(outputs):
             timer.output(sent)
+        self._answered = done
         return sent
+
+    async def _sent_later(self, pending: Awaitable[None], outputs: int, done: bool) -> None:
+        await pending
+        self._sent(outputs, done)
 
     def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[httpx.Response]:
         """The worker's response to this request, sent now (the dispatch time is marked)."""
@@ -517,20 +468,22 @@ class Relay(Response):
         return self._request.upstream_body(self._deps.settings.worker_priority_of(tier))
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await send(self._start_message(status, headers))
+
+    def _start_message(self, status: int, headers: list[tuple[bytes, bytes]]) -> Message:
+        """The response's ``http.response.start``; the response counts as started from here."""
         self._started = True
         self._status = status
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    *headers,
-                    (b"x-request-id", self._request_id.encode()),
-                    (b"x-gateway-tier", self._tier.encode()),
-                    (b"x-gateway-queue-ms", b"%.1f" % (self._queued_s * 1000)),
-                ],
-            }
-        )
+        return {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                *headers,
+                (b"x-request-id", self._request_id.encode()),
+                (b"x-gateway-tier", self._tier.encode()),
+                (b"x-gateway-queue-ms", b"%.1f" % (self._queued_s * 1000)),
+            ],
+        }
 
     async def _fail(self, send: Send, error: GatewayError, cause: BaseException | None) -> None:
         """Report ``error``: as the response if nothing was sent yet, else in-band.
@@ -600,6 +553,170 @@ class Relay(Response):
             lease=self._lease,
         )
         self._deps.recorder.finish(end)
+
+
+class _Stream:
+    """One attempt's stream: the worker's bytes cut into events, classified, timed and sent on.
+
+    :meth:`feed` takes each piece of the worker's body as it arrives and sends its whole
+    events at once, in the worker connection's own callback when the transport pushes
+    (:func:`app.upstream.chunk_pusher`): no task wakes up for an event. Only a send that must
+    wait (the client is not reading) is left to the relay's task.
+    """
+
+    __slots__ = (
+        "_clock", "_deadline", "_deadline_at", "_first", "_idle", "_keep_usage", "_kind_of",
+        "_lease", "_loop", "_relay", "_restore", "_send", "_splitter", "_total_at", "_worker",
+        "done", "held", "held_outputs", "last_received", "responses",
+    )  # fmt: skip
+
+    def __init__(
+        self, relay: Relay, send: Send, lease: Lease, deadline: Deadline, deadline_at: float,
+        total_at: float | None,
+    ) -> None:  # fmt: skip
+        request = relay._request
+        self._relay, self._send, self._lease, self._worker = relay, send, lease, lease.worker
+        self._deadline, self._deadline_at, self._total_at = deadline, deadline_at, total_at
+        self._loop = asyncio.get_running_loop()
+        self._clock = relay._timer.clock
+        self._idle = relay._deps.settings.idle_timeout_s
+        self._keep_usage = request.wants_usage
+        # The worker was asked for a usage chunk the client did not ask for; vLLM then also
+        # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
+        self._restore = not self._keep_usage
+        # The Responses API ends with a typed event that carries the usage, not with [DONE].
+        self.responses = request.endpoint.events is Events.RESPONSES
+        self._kind_of = classify_response if self.responses else classify
+        self._splitter = EventSplitter()
+        self._first = True
+        self.done = False
+        """The stream's end marker came."""
+        self.last_received: float | None = None
+        """When the latest output event came from the worker."""
+        self.held: list[bytes] | None = None
+        """Events held, in order, from a finish chunk until the usage chunk tells the worker's
+        fingerprint: only while the gateway has not seen this worker's yet."""
+        self.held_outputs = 0
+
+    def read_deadline(self) -> float:
+        """The deadline while the relay waits for the worker: first token, or the next event."""
+        if self.last_received is None:
+            return _earliest(self._deadline_at, self._total_at)
+        return _earliest(self._loop.time() + self._idle, self._total_at)
+
+    def feed(self, data: bytes) -> Awaitable[None] | None:
+        """Relay the whole events ``data`` completes; what finishes the send if it must wait."""
+        relay, worker = self._relay, self._worker
+        received = self._clock()
+        events = self._splitter.feed(data)
+        if not events:
+            return None
+        if self._first:
+            self._first = False
+            head = events[0]
+            if self._restore and b'"usage"' in head and classify(head) is not EventKind.USAGE:
+                # The worker sends usage whatever was asked (--enable-force-include-usage): so
+                # it does to the client directly.
+                self._keep_usage, self._restore = True, False
+        restore, kind_of, held = self._restore, self._kind_of, self.held
+        out: list[bytes] = []
+        outputs = 0
+        for event in events:
+            kind = kind_of(event)
+            if kind is EventKind.OUTPUT:
+                if self.last_received is None:
+                    relay._first_output(self._lease, received)
+                else:
+                    relay._output_gap(self._lease, received - self.last_received, received)
+                self.last_received = received
+            elif kind is EventKind.USAGE:
+                payload = event_json(event)
+                relay._tokens = usage_counts(payload) or relay._tokens
+                if restore:
+                    worker.fingerprint = fingerprint_member(payload)
+                    if held is not None:
+                        out.extend(_restored(held, worker.fingerprint))
+                        outputs, held, self.held_outputs = outputs + self.held_outputs, None, 0
+                if not self._keep_usage:
+                    continue
+            elif kind is EventKind.DONE:
+                self.done = True
+                if self.responses:
+                    relay._tokens = usage_counts(event_json(event)) or relay._tokens
+            elif kind is EventKind.ERROR:
+                relay._status, relay._outcome = 502, Outcome.UPSTREAM_ERROR
+                self.done = self.done or self.responses  # response.failed ends its stream
+            if restore and FINISH in event:
+                member = worker.fingerprint
+                if member is not None:
+                    event = with_fingerprint(event, member)
+                elif held is None:
+                    held = []
+            if held is not None:
+                if kind is not EventKind.DONE and kind is not EventKind.ERROR:
+                    held.append(event)
+                    self.held_outputs += kind is EventKind.OUTPUT
+                    continue
+                out.extend(held)  # no usage chunk came: the fingerprint is unknown
+                outputs, held, self.held_outputs = outputs + self.held_outputs, None, 0
+            out.append(event)
+            outputs += kind is EventKind.OUTPUT
+        self.held = held
+        pending = relay._send_events(self._send, out, outputs, self.done) if out else None
+        if pending is None and self.last_received is not None:
+            self._deadline.move(_earliest(self._loop.time() + self._idle, self._total_at))
+        relay._timer.add_overhead(self._clock() - received)
+        return pending
+
+
+def send_now(send: Send, message: Message) -> Awaitable[None] | None:
+    """Run ``send(message)`` up to its first wait: None if it finished, else what finishes it.
+
+    A server's send returns without waiting unless the client's connection holds writes back
+    (uvicorn: its write buffer over the high-water mark), so the relay can send from a network
+    callback, outside any task; the rare send that must wait is finished by the relay's task.
+    """
+    sending = send(message)
+    if type(sending) is not types.CoroutineType:  # an ABC's isinstance costs more than a send
+        return sending
+    try:
+        waits_on = sending.send(None)
+    except StopIteration:
+        return None
+    return _resumed(sending, waits_on)
+
+
+async def _resumed(sending: Coroutine[Any, Any, None], waits_on: Any) -> None:
+    """Finish a coroutine that stopped at its first wait, on what it was waiting for.
+
+    What it waited on (an asyncio future, or None for a bare yield) is awaited here; its
+    outcome, or a cancellation of this task, is then delivered to the coroutine as if it had
+    awaited it itself.
+    """
+    while True:
+        try:
+            if waits_on is None:
+                await asyncio.sleep(0)
+            else:
+                # Taken over as a task takes a future its coroutine yields: a future still
+                # marked blocking refuses a second await.
+                waits_on._asyncio_future_blocking = False
+                await waits_on
+        except BaseException as exc:
+            try:
+                waits_on = sending.throw(exc)
+            except StopIteration:
+                return
+            continue
+        try:
+            waits_on = sending.send(None)
+        except StopIteration:
+            return
+
+
+async def _chained(first: Awaitable[None], send: Send, message: Message) -> None:
+    await first
+    await send(message)
 
 
 def _restored(held: list[bytes], member: bytes) -> list[bytes]:

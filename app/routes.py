@@ -33,7 +33,7 @@ from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
-from app.trace import ABORT_KEY, FLOW_KEY, request_trace
+from app.trace import ABORT_KEY, request_trace
 from app.upstream import worker_get
 
 # Handlers read the state with get_state rather than through Depends: FastAPI's dependency
@@ -114,8 +114,7 @@ async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> R
     )
     scope = request.scope
     ctx = RequestContext(
-        parsed, timer, request_id, identity, ticket, charged, scope.get(ABORT_KEY),
-        scope.get(FLOW_KEY),
+        parsed, timer, request_id, identity, ticket, charged, scope.get(ABORT_KEY)
     )  # fmt: skip
     trace.recorded = True  # the relay records it, however it ends
     return Relay(state.relay_deps, ctx)

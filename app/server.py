@@ -19,8 +19,8 @@ protocol, adds them:
 * a response's head (status line and headers) is written together with its first body bytes
   (:class:`HeadWithBody`), not on its own;
 * each connection's kernel send buffer is fixed at ``client_send_buffer_bytes`` (not
-  autotuned, up to megabytes), and its write flow control and a way to drop it are put in the
-  request's scope: with them the relay cuts a client that stops reading (:mod:`app.relay`).
+  autotuned, up to megabytes), and a way to drop it is put in the request's scope: with it the
+  relay cuts a client that stops reading (:mod:`app.relay`).
 
 A refusal is written in OpenAI's error shape with an ``x-request-id``, counted and logged like
 every response. The connection is then half-closed, and what the client still sends is read and
@@ -50,7 +50,6 @@ from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.trace import (
     ABORT_KEY,
-    FLOW_KEY,
     OVER_CAPACITY_KEY,
     endpoint_label,
     plain_outcome,
@@ -185,7 +184,6 @@ class GatewayProtocol(HttpToolsProtocol):
         if cap is not None and len(self.connections) > cap:
             self.scope[OVER_CAPACITY_KEY] = True  # type: ignore[literal-required]
         self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
-        self.scope[FLOW_KEY] = self.flow  # type: ignore[literal-required]
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle

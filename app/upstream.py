@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import resource
+import typing
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
@@ -155,6 +156,8 @@ class _WorkerTransport(AiohttpTransport):
             chunks = _Chunks(response.stream)
             response.stream = chunks
             response.extensions[_READ_CHUNK] = chunks.read
+            if chunks.pushes:
+                response.extensions[_PUSH] = chunks
         return response
 
 
@@ -170,7 +173,10 @@ class _Chunks(httpx.AsyncByteStream):
 
     def __init__(self, stream: AiohttpResponseStream) -> None:
         self._stream = stream
-        self._readchunk = stream._aiohttp_response.content.readchunk
+        self._reader = reader = stream._aiohttp_response.content
+        self._readchunk = reader.readchunk
+        # Pushing stands in for the reader's waiter, a slot of aiohttp's own StreamReader.
+        self.pushes = type(reader) is aiohttp.StreamReader and hasattr(reader, "_waiter")
 
     async def read(self) -> bytes:
         """The next HTTP chunk of the body; ``b""`` at its end."""
@@ -179,10 +185,36 @@ class _Chunks(httpx.AsyncByteStream):
                 chunk, chunk_end = await self._readchunk()
                 if chunk or not chunk_end:
                     return chunk
-        except aiohttp.ServerDisconnectedError as exc:
-            raise httpx.RemoteProtocolError(str(exc)) from exc
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            raise httpx.ReadError(str(exc)) from exc
+        except _READ_ERRORS as exc:
+            raise _mapped(exc) from exc
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`read` has something to return at once (data, the end or an error)."""
+        reader = self._reader
+        return bool(reader._buffer) or reader.is_eof() or reader.exception() is not None
+
+    async def push(self, sink: ChunkSink) -> Awaitable[None] | None:
+        """Hand the body to ``sink`` as it arrives, in the network callback itself.
+
+        Returns ``None`` at the body's end, or what ``sink`` returned when it could not take
+        more at once (a send that must wait): nothing more is pushed until the caller has
+        awaited that and called again (what arrives meanwhile waits in aiohttp's buffer, which
+        pauses the socket when full). An error of the connection is raised as :meth:`read`
+        raises it, one of ``sink``'s own as it is. Call only when not :attr:`ready`.
+        """
+        reader = self._reader
+        done: asyncio.Future[Awaitable[None] | None] = asyncio.get_running_loop().create_future()
+        waiter = _PushingWaiter(reader, sink, done)
+        reader._waiter = waiter  # type: ignore[assignment]
+        try:
+            return await done
+        except _READ_ERRORS as exc:
+            raise _mapped(exc) from exc
+        finally:
+            waiter.sink = None
+            if reader._waiter is waiter:  # type: ignore[comparison-overlap]
+                reader._waiter = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while chunk := await self.read():
@@ -194,6 +226,72 @@ class _Chunks(httpx.AsyncByteStream):
 
 
 _READ_CHUNK = "gateway.read_chunk"
+_PUSH = "gateway.push"
+
+ChunkSink = Callable[[bytes], "Awaitable[None] | None"]
+"""Takes a piece of a worker's body at once; returns an awaitable when it must wait first."""
+
+
+_READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+
+
+def _mapped(exc: aiohttp.ClientError) -> httpx.TransportError:
+    """The error aiohttp raised while reading a body, as httpx's."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return httpx.RemoteProtocolError(str(exc))
+    return httpx.ReadError(str(exc))
+
+
+class _PushingWaiter:
+    """Stands where aiohttp's StreamReader keeps the future of a read waiting for data.
+
+    The reader "wakes" its waiter from the connection's ``data_received``, after each piece of
+    the body (``feed_data``), each chunk's end and the body's end (``feed_eof``), or with the
+    connection's error (``set_exception``), and forgets it then. This one takes what was fed
+    at once and hands it to the sink, in that same callback, then stands in again: no future,
+    no task wake-up, no read coroutine per piece. Only the piece just fed is ever buffered
+    here, so pieces (the worker's events) are handed on one by one, as ``readchunk`` would.
+    """
+
+    __slots__ = ("_done", "_reader", "sink")
+
+    def __init__(
+        self,
+        reader: aiohttp.StreamReader,
+        sink: ChunkSink,
+        done: asyncio.Future[Awaitable[None] | None],
+    ) -> None:
+        self._reader = reader
+        self.sink: ChunkSink | None = sink
+        self._done = done
+
+    def done(self) -> bool:
+        """Never done: the reader only wakes a waiter that is not."""
+        return False
+
+    def set_result(self, _: object) -> None:
+        """The reader has something for us: hand it on, then wait for the next piece."""
+        sink, reader, done = self.sink, self._reader, self._done
+        if sink is None or done.done():
+            return
+        try:
+            if reader._buffer:
+                pending = sink(reader.read_nowait())
+                if pending is not None:
+                    done.set_result(pending)
+                    return
+            if reader.is_eof() and not reader._buffer:
+                done.set_result(None)
+                return
+        except Exception as exc:  # a fault of the sink's must not reach aiohttp's parser
+            done.set_exception(exc)
+            return
+        reader._waiter = self  # type: ignore[assignment]
+
+    def set_exception(self, exc: BaseException) -> None:
+        """The connection failed: the push ends with its error."""
+        if self.sink is not None and not self._done.done():
+            self._done.set_exception(exc)
 
 
 def chunk_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
@@ -215,6 +313,27 @@ def chunk_reader(response: httpx.Response) -> Callable[[], Awaitable[bytes]]:
         return await anext(chunks, b"")
 
     return next_chunk
+
+
+def chunk_pusher(response: httpx.Response) -> ChunkPusher | None:
+    """What pushes a streamed response's body to a sink as it arrives, when its transport can.
+
+    Only the worker transport's bodies can be pushed (any other is read with
+    :func:`chunk_reader`).
+    """
+    pusher = response.extensions.get(_PUSH)
+    return cast("ChunkPusher", pusher) if pusher is not None else None
+
+
+class ChunkPusher(typing.Protocol):
+    """A body that can be pushed (:meth:`_Chunks.push`)."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether a read would return at once."""
+
+    async def push(self, sink: ChunkSink) -> Awaitable[None] | None:
+        """Push the body to ``sink`` until its end (None) or until ``sink`` must wait."""
 
 
 def worker_transport() -> httpx.AsyncBaseTransport:
@@ -472,6 +591,6 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
 
 
 __all__ = [
-    "UpstreamError", "UpstreamSlots", "connection_budget", "error_object", "make_client",
-    "worker_get", "worker_response",
+    "ChunkPusher", "ChunkSink", "UpstreamError", "UpstreamSlots", "chunk_pusher", "chunk_reader",
+    "connection_budget", "error_object", "make_client", "worker_get", "worker_response",
 ]  # fmt: skip
