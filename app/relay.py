@@ -401,13 +401,12 @@ class Relay(Response):
         self._sent(outputs, done)
         return None
 
-    def _sent(self, outputs: int, done: bool) -> float:
+    def _sent(self, outputs: int, done: bool) -> None:
         timer = self._timer
         sent = timer.clock()
         for _ in range(outputs):
             timer.output(sent)
         self._answered = done
-        return sent
 
     async def _sent_later(self, pending: Awaitable[None], outputs: int, done: bool) -> None:
         await pending
