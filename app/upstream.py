@@ -84,30 +84,28 @@ class UpstreamSlots:
 
     def saturated(self) -> GatewaySaturated:
         """The error for a spent budget, counted in ``gateway_saturated_total``."""
-        self._metrics.saturated.labels(UPSTREAM_CONNECTIONS).inc()
-        return GatewaySaturated(
+        return self._refusal(
+            UPSTREAM_CONNECTIONS,
             f"The gateway has all {self.limit} of its connections to the workers in use "
-            "(GATEWAY_MAX_UPSTREAM_CONNECTIONS); retry shortly.",
-            1.0,
+            "(GATEWAY_MAX_UPSTREAM_CONNECTIONS)",
         )
 
     def late(self, seconds: float) -> GatewaySaturated:
         """The error for a connect the gateway's own busy loop let time out (``seconds`` taken)."""
-        self._metrics.saturated.labels(EVENT_LOOP).inc()
-        return GatewaySaturated(
-            f"The gateway was too busy to connect to a worker in time ({seconds:.1f} s); "
-            "retry shortly.",
-            1.0,
+        return self._refusal(
+            EVENT_LOOP, f"The gateway was too busy to connect to a worker in time ({seconds:.1f} s)"
         )
 
     def exhausted(self, cause: OSError) -> GatewaySaturated:
         """The error for a connection the system would not give (out of file descriptors)."""
-        self._metrics.saturated.labels(UPSTREAM_CONNECTIONS).inc()
-        return GatewaySaturated(
-            f"The gateway could not open a connection to a worker ({cause.strerror or cause}); "
-            "retry shortly.",
-            1.0,
+        return self._refusal(
+            UPSTREAM_CONNECTIONS,
+            f"The gateway could not open a connection to a worker ({cause.strerror or cause})",
         )
+
+    def _refusal(self, resource: str, why: str) -> GatewaySaturated:
+        self._metrics.saturated.labels(resource).inc()
+        return GatewaySaturated(f"{why}; retry shortly.", 1.0)
 
 
 def connection_budget(configured: int) -> int:

@@ -15,7 +15,7 @@ from app.errors import ModelNotFound
 from app.metrics import GatewayMetrics
 from app.routing import RouteKey, Router
 from app.settings import Settings
-from app.workers import WorkerPool
+from app.workers import Worker, WorkerPool
 from tests.fake_upstream import MODEL, FakeWorker, chunk, fleet, tokens
 from tests.servers import running_gateway, settings_for
 
@@ -357,13 +357,18 @@ async def test_the_first_token_timeout_runs_from_arrival_across_attempts() -> No
     assert took == pytest.approx(1.0, abs=0.25)  # not 0.7 + 1.0 s
 
 
+def _one_worker(clock: FakeClock, **overrides: Any) -> tuple[WorkerPool, Worker]:
+    """A pool of one worker, up, ejected after 3 failures."""
+    pool = _pool(settings_for("http://a:1", eject_after_failures=3, **overrides), clock)
+    a = pool.workers["a:1"]
+    a.up = True
+    return pool, a
+
+
 def test_requests_sent_before_an_ejection_do_not_eject_the_worker_again() -> None:
     # Thousands in flight fail of one fault: one ejection, at the first backoff.
     clock = FakeClock()
-    settings = settings_for("http://a:1", eject_after_failures=3, eject_base_s=1.0)
-    pool = _pool(settings, clock)
-    a = pool.workers["a:1"]
-    a.up = True
+    pool, a = _one_worker(clock, eject_base_s=1.0)
     sent = clock.now
     clock.now += 2.0  # they time out together
     for _ in range(3 * 1100):
@@ -382,10 +387,7 @@ def test_requests_sent_before_an_ejection_do_not_eject_the_worker_again() -> Non
 
 def test_thousands_of_ejections_keep_the_backoff_at_its_longest() -> None:
     clock = FakeClock()
-    settings = settings_for("http://a:1", eject_after_failures=3, eject_max_s=30.0)
-    pool = _pool(settings, clock)
-    a = pool.workers["a:1"]
-    a.up = True
+    pool, a = _one_worker(clock, eject_max_s=30.0)
     for _ in range(3 * 1100):
         clock.now += 0.001
         pool.report_failure(a, "no_worker", clock.now)
