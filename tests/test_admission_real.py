@@ -233,9 +233,11 @@ async def test_overload_gets_the_sdk_a_429_with_a_computed_retry_after(
         headers = error.response.headers
         assert int(headers["retry-after"]) >= 1
         waits.append(int(headers["retry-after-ms"]))
-    # Those the queue could not serve in time were told at once, not at their deadline...
+    # Those the queue could not serve in time were told at once, not at their deadline (the
+    # 1 s target less the worker's recent first tokens, ~0.1 s)... Eighty SDK requests sent
+    # together from one process take 0.3-0.5 s of their own here, beside the worker on 2 cores.
     told = [elapsed for reply, elapsed in results if isinstance(reply, openai.RateLimitError)]
-    assert max(told) < 0.5, told
+    assert max(told) < 0.8, told
     # ...and to come back when the requests queued ahead of them (at least one, since the
     # 429s come only once waiting is known not to fit) should have drained.
     assert len(others) >= 1
