@@ -663,7 +663,7 @@ class _Stream:
         self.held = held
         pending = relay._send_events(self._send, out, outputs, self.done) if out else None
         if pending is None and self.last_received is not None:
-            self._deadline.move(_earliest(self._loop.time() + self._idle, self._total_at))
+            self._deadline.move(self.read_deadline())
         relay._timer.add_overhead(self._clock() - received)
         return pending
 
