@@ -273,12 +273,14 @@ class _PushingWaiter:
         if sink is None or done.done():
             return
         try:
-            if reader._buffer:
+            # Reading resumes aiohttp's protocol, which may feed what it held back at once,
+            # while this waiter is away: that is handed on too, piece by piece.
+            while reader._buffer:
                 pending = sink(reader.read_nowait())
                 if pending is not None:
                     done.set_result(pending)
                     return
-            if reader.is_eof() and not reader._buffer:
+            if reader.is_eof():
                 done.set_result(None)
                 return
         except Exception as exc:  # a fault of the sink's must not reach aiohttp's parser

@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable
 
+import aiohttp
 import httpx
 import pytest
 from starlette.types import Message
 
 from app.relay import send_now
-from app.upstream import chunk_pusher, chunk_reader, make_client
+from app.upstream import _PushingWaiter, chunk_pusher, chunk_reader, make_client
 from tests.servers import settings_for
 
 EVENTS = [b'data: {"n":%d}\n\n' % i for i in range(6)]
@@ -185,3 +186,29 @@ async def test_a_waiting_send_sees_the_cancellation_of_the_task_finishing_it() -
     with pytest.raises(asyncio.CancelledError):
         await finish
     assert cleaned == ["a"]
+
+
+async def test_data_the_reader_takes_in_while_handing_a_piece_on_is_pushed_too() -> None:
+    # Reading resumes aiohttp's protocol, which may feed what it held at once, while the waiter
+    # is away: that piece is pushed in the same callback, not left until the next one comes.
+    class Protocol:
+        connected = True
+
+        def __init__(self) -> None:
+            self.held = [b"held back"]
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            if self.held:
+                reader.feed_data(self.held.pop())
+
+    loop = asyncio.get_running_loop()
+    reader = aiohttp.StreamReader(Protocol(), 2**16, loop=loop)  # type: ignore[arg-type]
+    pieces: list[bytes] = []
+    done: asyncio.Future[Awaitable[None] | None] = loop.create_future()
+    reader._waiter = _PushingWaiter(reader, lambda d: pieces.append(d), done)  # type: ignore[assignment]
+    reader.feed_data(b"first")
+    assert pieces == [b"first", b"held back"]
+    assert not reader._buffer
