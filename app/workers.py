@@ -370,9 +370,9 @@ class WorkerPool:
         """A request sent at ``sent_at`` failed on ``worker`` before its first byte.
 
         A request sent before the worker's last ejection does not count: it failed of what
-        ejected the worker, one fault however many requests were in flight (a burst of 5,000
-        connects that timed out together ejected a worker 1,600 times over, for the longest
-        backoff, at its first fault).
+        ejected the worker, one fault however many requests were in flight (at 9,800 streams
+        ramping up, connects that timed out together ejected four workers 2,180 times, each
+        for the longest backoff).
         """
         last = worker.last_ejected
         if sent_at is not None and last is not None and sent_at <= last:
