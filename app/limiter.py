@@ -94,7 +94,7 @@ class ConcurrencyLimit:
         limit), and the misses seen meanwhile are the excess's. Cutting on them again took a
         worker settling near 25 down to 2 after a surge, and turned requests away for the ten
         seconds it took to grow back. Once drained, more may run again (a tier borrows past
-        the limit, :meth:`app.admission.AdmissionController._full`), and their misses cut: skipped
+        the limit, :meth:`app.room.Room.full`), and their misses cut: skipped
         for as long as more ran than the limit, they left a limit standing through the very
         overloads borrowing let in.
         """

@@ -149,23 +149,23 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     # but the top tier's are not held back for it.
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     worker.in_flight, worker.prefilling = 3, 3
-    assert admission._full(worker)
-    assert admission._full(worker, _tier(settings, "standard"))
-    assert not admission._full(worker, interactive)
+    assert admission.room.full(worker)
+    assert admission.room.full(worker, _tier(settings, "standard"))
+    assert not admission.room.full(worker, interactive)
     worker.prefilling = 2
-    assert not admission._full(worker)
+    assert not admission.room.full(worker)
     # Below the top tier, one prefill slot stays free for it while it has requests (and the
-    # pool is expected to saturate: ``_full`` is asked as if it were).
-    assert not admission._full(worker, interactive)
-    assert admission._full(worker, batch)
-    assert not admission._full(worker, batch, reserving=False)
+    # pool is expected to saturate: ``full`` is asked as if it were).
+    assert not admission.room.full(worker, interactive)
+    assert admission.room.full(worker, batch)
+    assert not admission.room.full(worker, batch, reserving=False)
     # With one interactive arrival and nothing finished yet, one running slot is kept for it.
     worker.prefilling = 0
     worker.in_flight = 8
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     worker.in_flight = 9
-    assert admission._full(worker, batch)
-    assert not admission._full(worker, interactive)
+    assert admission.room.full(worker, batch)
+    assert not admission.room.full(worker, interactive)
     worker.in_flight = worker.prefilling = 0
     # The hard cap bounds it.
     capped, pool2, _, _ = _controller(clock, max_running_per_worker=3)
@@ -206,7 +206,7 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     interactive, standard, batch = (_tier(settings, name) for name in names)
     # No higher-tier traffic: batch may fill the worker.
     worker.in_flight = 19
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     # Interactive requests hold a slot 4 s and arrive once a second for 10 s: the window says
     # 10/9 per second (3 in the last 2 s is no surge). 4.44 expected -> 5 slots kept: batch
     # and standard stop at 20 - 5 = 15.
@@ -215,34 +215,34 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     for tier in (batch, standard):
         worker.in_flight = 14
-        assert not admission._full(worker, tier)
+        assert not admission.room.full(worker, tier)
         worker.in_flight = 15
-        assert admission._full(worker, tier)
-    assert not admission._full(worker, interactive)
+        assert admission.room.full(worker, tier)
+    assert not admission.room.full(worker, interactive)
     # Slots interactive holds already count: with 3 of its requests running, 2 more are kept.
     worker.tier_in_flight["interactive"] = 3
     worker.in_flight = 17
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     worker.in_flight = 18
-    assert admission._full(worker, batch)
+    assert admission.room.full(worker, batch)
     # Spread over two workers: 4.44 / 2 = 2.22 slots, 3 a worker.
     worker.tier_in_flight["interactive"] = 0
     worker.in_flight = 16
-    assert not admission._full(worker, batch, workers=2)
+    assert not admission.room.full(worker, batch, workers=2)
     worker.in_flight = 17
-    assert admission._full(worker, batch, workers=2)
+    assert admission.room.full(worker, batch, workers=2)
     # A surge (9 more in the last instant) is seen at once: 18/s x 4 s = 72 expected, more
     # than the worker has; a lower tier only gets the last slot of an otherwise empty worker.
     _arrive(admission, [(clock.now, interactive.priority) for _ in range(9)])
     clock.now += 0.01
     worker.in_flight = 0
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     worker.in_flight = 1
-    assert admission._full(worker, batch)
+    assert admission.room.full(worker, batch)
     # Ten quiet seconds later nothing is kept any more.
     clock.now += 10.5
     worker.in_flight = 19
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
 
 
 def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_limit() -> None:
@@ -263,7 +263,7 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     # Nothing measured yet: kept from the hard cap, 256 - 5.
     worker.in_flight = 250
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     # Light traffic (two at 25 ms a token, the bare decode step) says nothing of the aim.
     limits.learn(worker, 0.025, clock.now, 2.0)
     assert limits.proven_cap(worker) == limits.proven_cap(worker, at_aim=True) == 256
@@ -275,13 +275,13 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     assert limits.proven_cap(worker) == 20
     assert proven_gauge() == 20
     worker.in_flight = 14
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     worker.in_flight = 15
-    assert admission._full(worker, batch)
-    assert not admission._full(worker, interactive)
+    assert admission.room.full(worker, batch)
+    assert not admission.room.full(worker, interactive)
     # Below saturation the unmeasured limit stands: a lower tier is held back by nothing.
     worker.in_flight = 100
-    assert not admission._full(worker, batch, reserving=False)
+    assert not admission.room.full(worker, batch, reserving=False)
     # Whether the pool saturates is judged against what the worker would run at the aim:
     # 20 x 80 / 50 = 32. Expected slots between 20 and 32 keep nothing back.
     assert limits.proven_cap(worker, at_aim=True) == 32
@@ -317,12 +317,12 @@ def test_a_stream_within_the_aim_at_the_seen_bound_raises_it_by_one() -> None:
     assert limits.seen_bound(worker) == 6
     worker.tier_in_flight["interactive"] = 4
     worker.in_flight = 5
-    assert admission._full(worker, batch)
+    assert admission.room.full(worker, batch)
     # A stream that ran at the bound (a mean load of 5, one under it) within the aim: 7.
     limits.learn(worker, 0.06, clock.now, 5.0)
     assert limits.seen_bound(worker) == 7
     assert limits.proven_cap(worker, at_aim=True) >= 7
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     # A stream under the bound, or one over the aim, tells nothing of it.
     limits.learn(worker, 0.06, clock.now, 5.5)
     limits.learn(worker, 0.09, clock.now, 7.0)
@@ -349,10 +349,10 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     for t in range(10):
         admission.demand.arrived(interactive.priority, clock.now - 9 + t)
     admission.demand.short(interactive.priority, clock.now)
-    # 10/9 per second x 4 s = 4.4 slots expected in all, of the worker's 20: the 5 that _full
+    # 10/9 per second x 4 s = 4.4 slots expected in all, of the worker's 20: the 5 that full
     # would keep for interactive are not kept; batch runs in the 19th.
     worker.in_flight = 18
-    assert admission._full(worker, batch.tier)
+    assert admission.room.full(worker, batch.tier)
     assert admission._try(batch, clock.now) is not None
     # Three within 0.2 s: under the old rule the last half second said 6/s (24 slots); at 1/s
     # three in half a second is chance, and still nothing is held back.
@@ -382,22 +382,22 @@ def test_slots_stay_kept_while_a_higher_tier_is_expected_not_only_after_a_refusa
     _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
     assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 9
     worker.in_flight = 10
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     worker.in_flight = 11
-    assert admission._full(worker, batch)
+    assert admission.room.full(worker, batch)
     # A refusal 10 s ago changes nothing either way, while the arrivals go on.
     admission.demand.short(interactive.priority, clock.now)
     clock.now += 10.5
     _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
     assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 8  # 2/s over 10 s
     worker.in_flight = 11
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     worker.in_flight = 12
-    assert admission._full(worker, batch)
+    assert admission.room.full(worker, batch)
     # Once interactive stops arriving, nothing is kept.
     clock.now += 10.5
     worker.in_flight = 19
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
 
 
 def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_load() -> None:
@@ -419,9 +419,9 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
         (0.3 + 63 * 0.08) * 10 / 9
     )
     worker.in_flight = 33
-    assert not admission._full(worker, batch)
+    assert not admission.room.full(worker, batch)
     worker.in_flight = 34
-    assert admission._full(worker, batch)
+    assert admission.room.full(worker, batch)
     # A stream that decoded slower than the aim counts as it was.
     admission, _, _, _ = _controller(clock)
     admission.demand.arrived(interactive.priority, clock.now)
@@ -547,36 +547,36 @@ def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     worker.in_flight = 20
     worker.tier_in_flight["interactive"] = 20
     for tier in (interactive, standard, batch):
-        assert admission._full(worker, tier, reserving=False)
+        assert admission.room.full(worker, tier, reserving=False)
     # Three of them batch: interactive and standard may run three more, batch may not.
     worker.tier_in_flight["interactive"], worker.tier_in_flight["batch"] = 17, 3
-    assert not admission._full(worker, standard, reserving=False)
+    assert not admission.room.full(worker, standard, reserving=False)
     worker.in_flight = 23
-    assert admission._full(worker, interactive, reserving=False)
-    assert admission._full(worker, batch, reserving=False)
+    assert admission.room.full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, batch, reserving=False)
     # A middle tier never goes past the stretched cap, however many lower-tier requests run;
     # the top tier counts only its own against the limit (a cut left 24 running on 20).
     worker.tier_in_flight["interactive"], worker.tier_in_flight["batch"] = 5, 19
     worker.in_flight = 24
-    assert not admission._full(worker, standard, reserving=False)
+    assert not admission.room.full(worker, standard, reserving=False)
     worker.in_flight = 25
-    assert admission._full(worker, standard, reserving=False)
-    assert not admission._full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, standard, reserving=False)
+    assert not admission.room.full(worker, interactive, reserving=False)
     worker.in_flight, worker.tier_in_flight["interactive"] = 39, 20
-    assert admission._full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, interactive, reserving=False)
     # A worker seen to serve 23 with a stream within the aim: the top tier's own count goes
     # to 23 under a limit cut to 20, the others' limits stay.
     worker.served_within_aim = 23.4
-    assert not admission._full(worker, interactive, reserving=False)
+    assert not admission.room.full(worker, interactive, reserving=False)
     worker.tier_in_flight["interactive"] = 23
     worker.in_flight = 42
-    assert admission._full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, interactive, reserving=False)
     worker.in_flight = worker.tier_in_flight["interactive"] = 22
     worker.tier_in_flight["batch"] = 0
-    assert not admission._full(worker, interactive, reserving=False)
-    assert admission._full(worker, standard, reserving=False)
+    assert not admission.room.full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, standard, reserving=False)
     worker.in_flight = worker.tier_in_flight["interactive"] = 23
-    assert admission._full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, interactive, reserving=False)
     worker.served_within_aim = 0.0
     worker.tier_in_flight["batch"] = 19
     # Nor past what the KV cache holds: 22 requests of 1,000 tokens.
@@ -584,9 +584,9 @@ def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     worker.load = LoadSample(0, 0, 0.0, clock.now, kv_tokens=22_000)
     assert admission.limits.stretched_cap(worker) == admission.limits.hard_cap(worker) == 22
     worker.in_flight, worker.tier_in_flight["interactive"] = 22, 3
-    assert admission._full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, interactive, reserving=False)
     worker.in_flight = 21
-    assert not admission._full(worker, interactive, reserving=False)
+    assert not admission.room.full(worker, interactive, reserving=False)
 
 
 def test_lower_tiers_streams_of_other_gateway_processes_count_as_lower_tiers() -> None:
@@ -599,15 +599,15 @@ def test_lower_tiers_streams_of_other_gateway_processes_count_as_lower_tiers() -
     interactive, batch = _tier(settings, "interactive"), _tier(settings, "batch")
     worker.set_fleet_others(20, clock.now, 1.0, {"batch": 20})
     assert admission.limits.occupied(worker, clock.now) == 20
-    assert not admission._full(worker, interactive, reserving=False)
-    assert admission._full(worker, batch, reserving=False)
+    assert not admission.room.full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, batch, reserving=False)
     # Interactive streams there are the tier's own: no way past the limit.
     worker.set_fleet_others(20, clock.now, 1.0, {"interactive": 20})
-    assert admission._full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, interactive, reserving=False)
     # A tier this process does not know (another configuration, mid-rollout) counts as
     # nobody's, and a reading gone stale not at all.
     worker.set_fleet_others(20, clock.now, 1.0, {"gold": 20})
-    assert admission._full(worker, interactive, reserving=False)
+    assert admission.room.full(worker, interactive, reserving=False)
     worker.set_fleet_others(20, clock.now, 1.0, {"batch": 20})
     assert worker.fleet_tier_in_flight(clock.now + 2.0) == {}
 
@@ -655,7 +655,7 @@ def test_after_a_quiet_spell_a_few_arrivals_are_read_over_the_time_watched() -> 
     assert admission.demand.expected_total(clock.now) == pytest.approx(1.2)
     assert not admission._reserving(4, clock.now)
     # Nor is an interactive request likely during a lower tier's 2-s prefill (0.2 expected).
-    assert not admission._higher_likely(_tier(settings, "standard"), 1, 2.0, clock.now)
+    assert not admission.room._higher_likely(_tier(settings, "standard"), 1, 2.0, clock.now)
 
 
 def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -> None:
@@ -792,39 +792,39 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     interactive = _tier(settings, "interactive")
     worker.prefilling, worker.prefill_tokens_ahead = 1, 300.0
     # No higher tier in play: a standard prompt joins whatever prefills.
-    assert not admission._full(worker, standard, tokens=900)
+    assert not admission.room.full(worker, standard, tokens=900)
     # Nor before the prefill rate was learnt from a few first tokens (the prior is a guess).
     _arrive(admission, [(clock.now, interactive.priority)])
-    assert not admission._full(worker, standard, tokens=900)
+    assert not admission.room.full(worker, standard, tokens=900)
     for _ in range(8):
         line.observe(300.0, 0.3)
     # With interactive arrivals (2 a second: one expected in a step of 0.25 s or more),
     # standard and batch prompts keep the prefill ahead within 0.8 x 1 s / 2 = 0.4 s (400
     # tokens here); interactive itself is not held for it.
     _arrive(admission, [(clock.now, interactive.priority)])
-    assert not admission._full(worker, standard, tokens=90)
-    assert admission._full(worker, standard, tokens=110)
-    assert admission._full(worker, batch, tokens=110, reserving=False)
-    assert not admission._full(worker, interactive, tokens=900)
+    assert not admission.room.full(worker, standard, tokens=90)
+    assert admission.room.full(worker, standard, tokens=110)
+    assert admission.room.full(worker, batch, tokens=110, reserving=False)
+    assert not admission.room.full(worker, interactive, tokens=900)
     # The first prompt always goes, however long.
     worker.prefilling, worker.prefill_tokens_ahead = 0, 0.0
-    assert not admission._full(worker, standard, tokens=900)
+    assert not admission.room.full(worker, standard, tokens=900)
     # Below standard alone (arriving once a second), batch keeps standard's 0.8 x 5 s / 2 = 2 s.
     clock.now += 11.0
     _arrive(admission, [(clock.now - 9.0 + k, standard.priority) for k in range(10)])
     worker.prefilling, worker.prefill_tokens_ahead = 1, 300.0
-    assert not admission._full(worker, standard, tokens=900)
-    assert not admission._full(worker, batch, tokens=1650)
-    assert admission._full(worker, batch, tokens=1750)
+    assert not admission.room.full(worker, standard, tokens=900)
+    assert not admission.room.full(worker, batch, tokens=1650)
+    assert admission.room.full(worker, batch, tokens=1750)
     # Interactive requests arriving twice in the 10 s watched: one is unlikely in a 0.41 s
     # step (0.08 of one expected), and the standard prompt goes.
     clock.now += 11.0
     _arrive(admission, [(clock.now - 9.0, interactive.priority), (clock.now, interactive.priority)])
-    assert not admission._full(worker, standard, tokens=110)
+    assert not admission.room.full(worker, standard, tokens=110)
     # Arriving every 0.75 s they are likely (0.53 expected): it waits.
     clock.now += 11.0
     _arrive(admission, [(clock.now - 9.0 + 0.75 * k, interactive.priority) for k in range(13)])
-    assert admission._full(worker, standard, tokens=110)
+    assert admission.room.full(worker, standard, tokens=110)
 
     # Through admission: a standard request waits for the interactive prompt's first output.
     worker.prefilling, worker.prefill_tokens_ahead = 0, 0.0
@@ -860,35 +860,35 @@ def test_a_lower_tier_prompt_waits_while_its_prefill_would_stall_a_higher_stream
     # 60 ms a token so far, 64 tokens after the first: (0.9 x 100 ms - 60 ms) x 64 = 1.92 s of
     # stall it can take. No interactive arrivals, nothing prefilling: only this rule holds.
     assert stream.stall_room(clock.now, 0.09, None) == pytest.approx(1.92)
-    assert not admission._full(worker, standard, reserving=False, tokens=1900)
-    assert admission._full(worker, standard, reserving=False, tokens=1950)
-    assert admission._full(worker, batch, reserving=False, tokens=1950)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=1900)
+    assert admission.room.full(worker, standard, reserving=False, tokens=1950)
+    assert admission.room.full(worker, batch, reserving=False, tokens=1950)
     # A prompt prefilling ahead stalls it too.
     worker.prefill_tokens_ahead = 1000.0
-    assert admission._full(worker, standard, reserving=False, tokens=1000)
+    assert admission.room.full(worker, standard, reserving=False, tokens=1000)
     worker.prefill_tokens_ahead = 0.0
     # The top tier is not held for its own streams.
-    assert not admission._full(worker, interactive, tokens=5000)
+    assert not admission.room.full(worker, interactive, tokens=5000)
     # Slower since: 75 ms a token so far leaves 0.96 s.
     for _ in range(20):
         clock.now += 0.09
         stream.output_gap(0.09, clock.now)
-    assert not admission._full(worker, standard, reserving=False, tokens=900)
-    assert admission._full(worker, standard, reserving=False, tokens=1000)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=900)
+    assert admission.room.full(worker, standard, reserving=False, tokens=1000)
     # Interactive streams seen to end after 20 tokens: 40 done, at least 41 expected.
     admission.demand.held(interactive.priority, 2.0, 1.5, 20.0)
     assert stream.stall_room(clock.now, 0.09, 20.0) == pytest.approx(0.015 * 41)
-    assert admission._full(worker, standard, reserving=False, tokens=700)
+    assert admission.room.full(worker, standard, reserving=False, tokens=700)
     # A stream whose length is not known (no max_tokens, none of its tier ended) holds nothing.
     stream.max_tokens = None
-    admission.demand = type(admission.demand)(clock, None)
-    assert not admission._full(worker, standard, reserving=False, tokens=5000)
+    admission.demand = admission.room.demand = type(admission.demand)(clock, None)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=5000)
     # Released, it stalls no more.
     stream.max_tokens = 65
-    assert admission._full(worker, standard, reserving=False, tokens=1000)
+    assert admission.room.full(worker, standard, reserving=False, tokens=1000)
     stream.release(clock.now)
     assert not worker.decoding
-    assert not admission._full(worker, standard, reserving=False, tokens=5000)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=5000)
 
 
 def test_the_prefill_limit_holds_a_lower_tier_only_while_a_higher_one_would_wait() -> None:
@@ -901,28 +901,28 @@ def test_the_prefill_limit_holds_a_lower_tier_only_while_a_higher_one_would_wait
     first = admission.lease(Choice(worker, 0.0, 0.0), _ticket(settings, clock, "standard", 300))
     assert (worker.prefilling, worker.tier_prefilling["standard"]) == (1, 1)
     # Before the prefill rate was learnt, the limit holds every tier below the top.
-    assert admission._full(worker, batch, reserving=False, tokens=300)
+    assert admission.room.full(worker, batch, reserving=False, tokens=300)
     line = worker.latency.prefill = OnlineLinear(0.0, 0.001)  # 1 ms a prompt token
     for _ in range(8):
         line.observe(300.0, 0.3)
     # Then, with no higher tier arriving, a standard prompt joins the one prefilling, and
     # batch, below the standard prompt prefilling, waits for it.
-    assert not admission._full(worker, standard, reserving=False, tokens=300)
-    assert admission._full(worker, batch, reserving=False, tokens=300)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=300)
+    assert admission.room.full(worker, batch, reserving=False, tokens=300)
     # Interactive arriving once in 9 s: 0.2 a second, 0.12 expected in the 0.6 s of prefill.
     _arrive(admission, [(clock.now - 9.0, interactive.priority), (clock.now, interactive.priority)])
-    assert not admission._full(worker, standard, reserving=False, tokens=300)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=300)
     # Twice a second: 1.2 expected, and the prompt waits.
     _arrive(admission, [(clock.now, interactive.priority)] * 20)
-    assert admission._full(worker, standard, reserving=False, tokens=300)
+    assert admission.room.full(worker, standard, reserving=False, tokens=300)
     # Once an interactive request prefills, it waits whatever the rate.
     clock.now += 11.0
     first.first_output(clock.now)
     assert worker.tier_prefilling["standard"] == 0
-    assert not admission._full(worker, standard, reserving=False, tokens=300)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=300)
     admission.lease(Choice(worker, 0.0, 0.0), _ticket(settings, clock, "interactive", 300))
-    assert admission._full(worker, standard, reserving=False, tokens=300)
-    assert not admission._full(worker, interactive, tokens=300)
+    assert admission.room.full(worker, standard, reserving=False, tokens=300)
+    assert not admission.room.full(worker, interactive, tokens=300)
 
 
 async def test_a_worker_whose_streams_slow_past_the_tpot_target_is_cut_at_once() -> None:
@@ -1354,10 +1354,10 @@ def test_a_tpot_target_a_worker_misses_alone_no_longer_steers_it() -> None:
         clock.now += 0.12
         stream.output_gap(0.12, clock.now)
     assert stream.stall_room(clock.now, 0.09, None) < 0
-    assert not admission._full(worker, standard, reserving=False, tokens=100)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=100)
     # A faster stream at any load shows the target within reach again: it steers once more,
     # and the prompt waits for the stream's sake.
     limits.learn(worker, 0.08, clock.now, decode_load=2.0)
     assert limits.reachable(worker, 0.1)
     assert limits.targets(clock.now, worker)[0] == pytest.approx(0.1)
-    assert admission._full(worker, standard, reserving=False, tokens=100)
+    assert admission.room.full(worker, standard, reserving=False, tokens=100)

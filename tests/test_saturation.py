@@ -185,9 +185,9 @@ async def test_other_replicas_requests_and_the_kv_cache_count_against_the_limit(
     worker.load = LoadSample(30, 0, 0.2, clock.now)
     interactive = _tier(settings, "interactive")
     assert admission.limits.occupied(worker, clock.now) == 26
-    assert admission._full(worker, interactive)
+    assert admission.room.full(worker, interactive)
     worker.load = LoadSample(14, 0, 0.2, clock.now)  # 10 of others'
-    assert not admission._full(worker, interactive)
+    assert not admission.room.full(worker, interactive)
     # Stale figures say nothing of others: only our own count.
     clock.now += settings.load_max_age_s + 0.1
     assert admission.limits.occupied(worker, clock.now) == 0
@@ -197,7 +197,7 @@ async def test_other_replicas_requests_and_the_kv_cache_count_against_the_limit(
     assert admission.limits.cap(worker) == 20
     # A KV cache 80% full is saturated.
     worker.load = LoadSample(3, 0, 0.85, clock.now)
-    assert admission._full(worker, interactive)
+    assert admission.room.full(worker, interactive)
 
 
 async def test_a_worker_holding_requests_back_for_capacity_sets_its_limit_to_what_it_runs() -> None:
