@@ -39,7 +39,7 @@ from app.looplag import fired_late
 from app.metrics import EVENT_LOOP, UPSTREAM_CONNECTIONS, GatewayMetrics
 from app.protocol import Upload
 from app.settings import Settings
-from app.workers import Worker, worker_headers
+from app.workers import Worker
 
 # Error bodies are read to pass the worker's message on; a runaway one is cut here.
 _MAX_ERROR_BODY = 64 * 1024
@@ -438,20 +438,21 @@ async def _send(
     body: bytes | Upload,
     request_id: str,
 ) -> httpx.Response:
-    headers = worker_headers(worker.spec, request_id)
-    content: bytes | AsyncIterator[bytes]
+    spec = worker.spec
+    url, template = _endpoint(spec.base_url, path, spec.api_key)
+    headers = template.copy()
+    headers["x-request-id"] = request_id
     if isinstance(body, Upload):
         headers["content-type"] = body.content_type
         # With the length given, the upload is sent as it came, not chunk-encoded.
         headers["content-length"] = str(body.size)
-        content = _chunks_of(body)
+        request = httpx.Request("POST", url, headers=headers, content=_chunks_of(body))
     else:
-        content = body
-    # Not client.build_request: its default headers (httpx's user agent, gzip) are not wanted,
-    # and merging them in cost more than the rest of building the request.
-    request = httpx.Request(
-        "POST", _url(worker.spec.base_url, path), headers=headers, content=content
-    )
+        # The request's headers are all given, so httpx need not work any out: building a
+        # request with ``content=`` looked each one up again, on every request.
+        headers["content-length"] = str(len(body))
+        request = httpx.Request("POST", url, headers=headers, stream=httpx.ByteStream(body))
+        request.read()
     loop = asyncio.get_running_loop()
     started = loop.time()
     try:
@@ -512,9 +513,22 @@ async def worker_get(
 
 
 @functools.lru_cache(maxsize=1024)
-def _url(base_url: str, path: str) -> httpx.URL:
-    """A worker endpoint's URL, parsed once (httpx parses a string URL in Python per request)."""
-    return httpx.URL(f"{base_url}{path}")
+def _endpoint(base_url: str, path: str, api_key: str | None) -> tuple[httpx.URL, httpx.Headers]:
+    """A worker endpoint's URL and the headers every request to it carries, built once.
+
+    Not ``client.build_request``: its default headers (httpx's user agent, gzip) are not
+    wanted. The worker's key, never the client's; identity encoding, so that the bytes relayed
+    are the worker's own. httpx parses a string URL in Python, so that is done once too.
+    """
+    url = httpx.URL(f"{base_url}{path}")
+    headers = {
+        "host": url.netloc.decode("ascii"),
+        "content-type": "application/json",
+        "accept-encoding": "identity",
+    }
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return url, httpx.Headers(headers)
 
 
 def _exhausted(exc: BaseException) -> OSError | None:

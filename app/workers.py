@@ -548,18 +548,6 @@ class WorkerPool:
         self._tasks = []
 
 
-def worker_headers(spec: WorkerSpec, request_id: str) -> dict[str, str]:
-    """Headers for a request to ``spec``: its key (never the client's) and the request id."""
-    headers = {
-        "x-request-id": request_id,
-        "content-type": "application/json",
-        "accept-encoding": "identity",
-    }
-    if spec.api_key:
-        headers["authorization"] = f"Bearer {spec.api_key}"
-    return headers
-
-
 def _describe(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown"

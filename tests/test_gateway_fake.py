@@ -119,6 +119,41 @@ async def test_a_cookie_a_worker_sets_is_never_sent_with_later_requests() -> Non
     assert seen[1]["accept-encoding"] == "identity"
 
 
+async def test_a_worker_is_sent_its_own_key_the_request_id_and_the_bodys_length() -> None:
+    seen: list[httpx.Request] = []
+
+    async def records(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        seen.append(request)
+        return await _ok(request, body)
+
+    worker = FakeWorker(records)
+    workers = json.dumps([{"url": WORKER, "api_key": "worker-secret"}])
+    async with (
+        running_gateway(settings_for(workers), worker.transport) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        for request_id in ("first-one", "second-one"):
+            r = await client.post(
+                "/v1/chat/completions",
+                json=_chat(stream=False),
+                headers={"authorization": "Bearer client-key", "x-request-id": request_id},
+            )
+            assert r.status_code == 200
+    assert len(seen) == 2
+    for request, request_id in zip(seen, ("first-one", "second-one"), strict=True):
+        assert sorted(request.headers.keys()) == [
+            "accept-encoding", "authorization", "content-length", "content-type", "host",
+            "x-request-id",
+        ]  # fmt: skip
+        assert request.headers["host"] == httpx.URL(WORKER).netloc.decode()
+        assert request.headers["authorization"] == "Bearer worker-secret"  # never the client's
+        assert request.headers["x-request-id"] == request_id
+        assert request.headers["content-type"] == "application/json"
+        assert request.headers["accept-encoding"] == "identity"
+        assert int(request.headers["content-length"]) == len(request.content)
+        assert json.loads(request.content)["model"]
+
+
 async def test_unknown_fields_pass_through_and_non_stream_works(
     ok_gateway: tuple[str, FakeWorker],
 ) -> None:
