@@ -618,16 +618,14 @@ class _Stream:
                 # it does to the client directly.
                 self._keep_usage, self._restore = True, False
         restore, kind_of, held = self._restore, self._kind_of, self.held
+        before = self.last_received  # the previous output's arrival, None before the first
         out: list[bytes] = []
-        outputs = 0
+        outputs = seen = 0
         for event in events:
             kind = kind_of(event)
             if kind is EventKind.OUTPUT:
-                if self.last_received is None:
-                    relay._first_output(self._lease, received)
-                else:
-                    relay._output_gap(self._lease, received - self.last_received, received)
                 self.last_received = received
+                seen += 1
             elif kind is EventKind.USAGE:
                 payload = event_json(event)
                 relay._tokens = usage_counts(payload) or relay._tokens
@@ -661,11 +659,27 @@ class _Stream:
             out.append(event)
             outputs += kind is EventKind.OUTPUT
         self.held = held
-        pending = relay._send_events(self._send, out, outputs, self.done) if out else None
+        try:
+            pending = relay._send_events(self._send, out, outputs, self.done) if out else None
+        finally:
+            # What the outputs teach (the first token's TTFT, the pace) is learnt once they
+            # are on their way: the client's first token does not wait for the bookkeeping.
+            if seen:
+                self._learn(seen, before, received)
         if pending is None and self.last_received is not None:
             self._deadline.move(self.read_deadline())
         relay._timer.add_overhead(self._clock() - received)
         return pending
+
+    def _learn(self, outputs: int, before: float | None, received: float) -> None:
+        """Tell the relay of ``outputs`` output events received together at ``received``."""
+        relay, lease = self._relay, self._lease
+        if before is None:
+            relay._first_output(lease, received)
+        else:
+            relay._output_gap(lease, received - before, received)
+        for _ in range(outputs - 1):
+            relay._output_gap(lease, 0.0, received)
 
 
 def send_now(send: Send, message: Message) -> Awaitable[None] | None:
