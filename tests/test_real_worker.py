@@ -385,7 +385,7 @@ def _histogram_delta(
 _FINE_BUCKETS = [round(i * 0.00025, 5) for i in range(1, 1201)] + [0.5, 1.0, 5.0, 60.0]
 
 
-@pytest.mark.parametrize(("streams", "prompts", "lag_share"), [(2, 48, 0.0), (16, 64, 0.2)])
+@pytest.mark.parametrize(("streams", "prompts", "lag_share"), [(2, 48, 0.05), (16, 64, 0.2)])
 async def test_vllm_benchmark_client_agrees_with_the_gateway_histograms(
     vllm_worker_url: str, tmp_path: Any, streams: int, prompts: int, lag_share: float
 ) -> None:
@@ -398,8 +398,9 @@ async def test_vllm_benchmark_client_agrees_with_the_gateway_histograms(
     and stops when the event is handed to the socket (docs/timing.md). At 16 streams the client
     and the gateway share one busy core and both event loops lag, which no server timestamp
     sees: the TTFTs may differ by 5 ms plus ``lag_share`` of the client's (seen at 16 streams,
-    with other benchmarks on the machine: 2 to 16 ms apart at TTFTs of 97 to 250 ms; without
-    the first-byte stamp the gap was 30%).
+    with other benchmarks on the machine: 2 to 16 ms apart at TTFTs of 97 to 250 ms; at 2
+    streams on a slower machine, 5.5 ms at 52 ms; without the first-byte stamp the gap was
+    30%).
     """
     from scripts.vllm_worker import MODEL_DIR, WORKER_PYTHON, worker_env
 
