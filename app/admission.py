@@ -80,7 +80,6 @@ class AdmissionController:
     ) -> None:
         self._settings = settings
         self._router = router
-        self.limits = limits
         self._metrics = metrics
         self._clock = clock
         self._queue: list[Ticket] = []
@@ -88,9 +87,18 @@ class AdmissionController:
         self._seq = itertools.count()
         self._poked = False
         self._ticker: asyncio.Task[None] | None = None
-        self.demand = TierDemand(clock, limits.tpot_aim)
-        self.room = Room(settings, limits, self.demand, clock)
+        self.room = Room(settings, limits, TierDemand(clock, limits.tpot_aim), clock)
         self.drain = DrainRate()
+
+    @property
+    def limits(self) -> Limits:
+        """The workers' learnt limits (the room's, which judges by them)."""
+        return self.room.limits
+
+    @property
+    def demand(self) -> TierDemand:
+        """What each tier is expected to need (the room's, which keeps slots by it)."""
+        return self.room.demand
 
     def lease(self, choice: Choice, ticket: Ticket) -> Lease:
         """Take a slot on ``choice.worker`` for ``ticket`` now."""

@@ -881,7 +881,7 @@ def test_a_lower_tier_prompt_waits_while_its_prefill_would_stall_a_higher_stream
     assert admission.room.full(worker, standard, reserving=False, tokens=700)
     # A stream whose length is not known (no max_tokens, none of its tier ended) holds nothing.
     stream.max_tokens = None
-    admission.demand = admission.room.demand = type(admission.demand)(clock, None)
+    admission.room.demand = type(admission.demand)(clock, None)
     assert not admission.room.full(worker, standard, reserving=False, tokens=5000)
     # Released, it stalls no more.
     stream.max_tokens = 65
