@@ -161,14 +161,13 @@ class Room:
         Only while a request of a tier above would wait for it: one prefills on ``worker``
         now, or one is likely to arrive there while the prompts ahead and this one prefill
         (``_LIKELY_ARRIVALS`` at those tiers' recent rate, shared over ``workers``, as for the
-        prefill budget), or the worker's prefill rate is not learnt yet. The limit is there
-        for the first tokens of the tiers above; with none of them near, holding only queues a
-        prompt on a worker with room (seen on a CPU worker whose prompts took 0.4-0.6 s alone,
-        near the limit's 0.5 s target: at 0.75x of capacity, the limit cut to 1 queued 8 of
-        23 requests for up to 1 s, where none needed it).
+        prefill budget; before the worker's prefill rate is learnt, at the prior rate blended
+        with what was seen). The limit is there for the first tokens of the tiers above; with
+        none of them near, holding only queues a prompt on a worker with room (seen on a CPU
+        worker whose prompts took 0.4-0.6 s alone, near the limit's 0.5 s target: at 0.75x of
+        capacity, the limit cut to 1 queued 8 of 23 requests for up to 1 s, where none needed
+        it; and, while the rate was not learnt yet, a standard prompt 0.4 s after another).
         """
-        if worker.latency.prefill.observed < _MEASURED_PREFILLS:
-            return True
         priorities, mine = self.priorities, tier.priority
         if any(n and priorities[name] < mine for name, n in worker.tier_prefilling.items()):
             return True

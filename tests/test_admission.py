@@ -900,8 +900,11 @@ def test_the_prefill_limit_holds_a_lower_tier_only_while_a_higher_one_would_wait
     interactive = _tier(settings, "interactive")
     first = admission.lease(Choice(worker, 0.0, 0.0), _ticket(settings, clock, "standard", 300))
     assert (worker.prefilling, worker.tier_prefilling["standard"]) == (1, 1)
-    # Before the prefill rate was learnt, the limit holds every tier below the top.
+    # Before the prefill rate was learnt too: batch waits for the standard prompt prefilling,
+    # and a standard prompt, with no higher tier near, joins it.
+    assert worker.latency.prefill.observed == 0
     assert admission.room.full(worker, batch, reserving=False, tokens=300)
+    assert not admission.room.full(worker, standard, reserving=False, tokens=300)
     line = worker.latency.prefill = OnlineLinear(0.0, 0.001)  # 1 ms a prompt token
     for _ in range(8):
         line.observe(300.0, 0.3)
