@@ -166,7 +166,7 @@ class Room:
         none of them near, holding only queues a prompt on a worker with room (seen on a CPU
         worker whose prompts took 0.4-0.6 s alone, near the limit's 0.5 s target: at 0.75x of
         capacity, the limit cut to 1 queued 8 of 23 requests for up to 1 s, where none needed
-        it; and, while the rate was not learnt yet, a standard prompt 0.4 s after another).
+        it).
         """
         priorities, mine = self.priorities, tier.priority
         if any(n and priorities[name] < mine for name, n in worker.tier_prefilling.items()):
