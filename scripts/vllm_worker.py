@@ -22,12 +22,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Self
+from typing import IO, Literal, Self
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_PYTHON = ROOT / ".venv-worker" / "bin" / "python"
@@ -56,24 +57,46 @@ TINY_LLAMA_HARDWARE = {
 # 9.8 s against 2.6 s, while a lone stream decoded at 14 ms a token in both.
 _BF16_FLAGS = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "bf16"})
 
+Runner = Literal["generate", "pooling"]
+"""vLLM's ``--runner``: text generation, or pooling (embeddings, score, rerank, pooling)."""
 
-def cpu_dtype(cpuinfo: str | None = None) -> str:
-    """The dtype a worker computes in on this CPU: ``bfloat16`` where its vectors do bf16.
+# The runners whose bf16 path has been seen to work on a CPU. vLLM 0.32's pooling runner in
+# bf16 died on its first embedding on an AVX-512 machine with avx512_bf16 ("Worker proc
+# VllmWorker-0 died unexpectedly"), where fp32 answered (docs/benchmarks.md, "The CPU
+# workers' dtype"); on AVX2 bf16 is emulated anyway. So pooling is fp32 wherever it runs here.
+_BF16_RUNNERS: frozenset[Runner] = frozenset({"generate"})
 
-    Else ``float32``: a fraction of the emulated bf16 cost, for twice the KV-cache bytes per
-    token. ``cpuinfo`` is ``/proc/cpuinfo``'s text (read when None); a CPU whose flags cannot
-    be read keeps vLLM's ``bfloat16``.
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo``'s text (read when None; empty if unread).
+
+    x86's ``flags`` lines and Arm's ``Features`` lines both count.
     """
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return "bfloat16"
+            return frozenset()
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         name, sep, value = line.partition(":")
         if sep and name.strip() in ("flags", "Features"):
             flags.update(value.split())
+    return frozenset(flags)
+
+
+def cpu_dtype(cpuinfo: str | None = None, runner: Runner = "generate") -> str:
+    """The dtype a worker of ``runner`` computes in on this CPU.
+
+    ``bfloat16`` only for a runner whose bf16 path is known to work on a CPU (generation), and
+    only where the CPU's vectors do bf16 or its flags cannot be read (vLLM's own default).
+    Else ``float32``: a fraction of the emulated bf16 cost, for twice the KV-cache bytes per
+    token, and the one dtype the pooling runner was seen to answer in on every CPU here.
+    ``cpuinfo`` is ``/proc/cpuinfo``'s text (read when None).
+    """
+    if runner not in _BF16_RUNNERS:
+        return "float32"
+    flags = cpu_flags(cpuinfo)
     if not flags or flags & _BF16_FLAGS:
         return "bfloat16"
     return "float32"
@@ -224,9 +247,11 @@ class VllmWorker:
     ``cpus`` pins the model's compute threads and confines every process of the worker to those
     CPUs (default ``default_cpus()``: all but one, left to the gateway; ``cpu_binding`` splits
     them between two workers; ``"nobind"`` leaves placement to vLLM and the OS).
-    ``extra_args`` go to vLLM as they are (e.g. ``["--enforce-eager"]``: ~10 s faster start,
-    ~30% fewer tokens/s); ``env`` replaces the inherited environment; ``dtype`` defaults to
-    what this CPU computes fast (:func:`cpu_dtype`).
+    ``runner`` is vLLM's: ``"generate"``, or ``"pooling"`` (embeddings, score, rerank and
+    pooling, the model converted to an embedding model). ``extra_args`` go to vLLM as they are
+    (e.g. ``["--enforce-eager"]``: ~10 s faster start, ~30% fewer tokens/s); ``env`` replaces
+    the inherited environment; ``dtype`` defaults to what this CPU computes fast and correctly
+    for the runner (:func:`cpu_dtype`).
     """
 
     def __init__(
@@ -244,10 +269,12 @@ class VllmWorker:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         dtype: str | None = None,
+        runner: Runner = "generate",
     ) -> None:
         if cpus is None:
             cpus = default_cpus()
-        self.dtype = cpu_dtype() if dtype is None else dtype
+        self.runner: Runner = runner
+        self.dtype = cpu_dtype(runner=runner) if dtype is None else dtype
         """The weights' and activations' dtype (default :func:`cpu_dtype`)."""
         self.port = port
         self.host = host
@@ -296,6 +323,7 @@ class VllmWorker:
             "dummy",
             "--max-model-len",
             str(self.max_model_len),
+            *_RUNNER_ARGS[self.runner],
             "--dtype",
             self.dtype,
             "--host",
@@ -454,6 +482,13 @@ class VllmWorker:
         return f"VllmWorker(url={self.url!r}, model_name={self.model_name!r}, pid={self.pid})"
 
 
+# A pooling worker serves the generative model folder as an embedding model.
+_RUNNER_ARGS: dict[Runner, tuple[str, ...]] = {
+    "generate": (),
+    "pooling": ("--runner", "pooling", "--convert", "embed"),
+}
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         # SO_REUSEADDR as uvicorn sets it, so a port in TIME_WAIT after a stop counts as free.
@@ -511,6 +546,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument(
+        "--runner",
+        choices=sorted(_RUNNER_ARGS),
+        default="generate",
+        help="vLLM's runner; pooling serves embeddings, score, rerank (fp32 on every CPU)",
+    )
+    parser.add_argument("--dtype", default=None, help="default: what this CPU and runner need")
+    parser.add_argument(
         "--cpus",
         default=None,
         help="CPUs for the worker, e.g. 0 or 0-2 (default: all but the last, left to the gateway)",
@@ -529,6 +571,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_cache_gib=args.kv_cache_gib,
         cpus=args.cpus,
         extra_args=extra,
+        dtype=args.dtype,
+        runner=args.runner,
     )
 
     def interrupt(signum: int, frame: FrameType | None) -> None:

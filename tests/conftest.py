@@ -44,15 +44,18 @@ def vllm_pooling_url() -> Iterator[str]:
     """A real vLLM CPU worker serving ``tiny-embed`` (or the one at ``$VLLM_POOLING_URL``).
 
     The ``tiny-llama`` folder served by vLLM's pooling runner (``--runner pooling --convert
-    embed``): embeddings, score, rerank and pooling. Eager mode: it starts ~10 s sooner, and
-    its speed matters to no test. Started once per session, only when a test asks for it.
+    embed``), in the dtype the launcher picks for it (fp32): embeddings, score, rerank and
+    pooling. Eager mode: it starts ~10 s sooner, and its speed matters to no test. Started once
+    per session, only when a test asks for it.
     """
     if os.environ.get("VLLM_POOLING_URL"):
         yield os.environ["VLLM_POOLING_URL"].rstrip("/")
         return
     from scripts.vllm_worker import VllmWorker
 
-    worker = VllmWorker(port=free_port(), model_name="tiny-embed", extra_args=POOLING_ARGS)
+    worker = VllmWorker(
+        port=free_port(), model_name="tiny-embed", runner="pooling", extra_args=["--enforce-eager"]
+    )
     worker.start()
     try:
         worker.wait_ready(timeout=600)
@@ -61,7 +64,6 @@ def vllm_pooling_url() -> Iterator[str]:
         worker.stop()
 
 
-POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--enforce-eager")
 _WORKER_FIXTURES = frozenset({"vllm_worker_url", "vllm_pooling_url"})
 
 

@@ -1,4 +1,4 @@
-"""The worker launcher's choice of dtype and cores by CPU (``scripts/vllm_worker.py``)."""
+"""The worker launcher's choices by CPU: a dtype per runner, and cores (``scripts/vllm_worker``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from scripts.vllm_worker import (
     VllmWorker,
     cpu_dtype,
     hardware_for,
+    main,
     separate_cpus,
 )
 
@@ -17,33 +18,65 @@ vendor_id\t: AuthenticAMD
 model name\t: AMD EPYC
 flags\t\t: fpu sse sse2 ssse3 fma avx avx2 f16c bmi2
 """
-SAPPHIRE_RAPIDS = AVX2_ONLY.replace("avx2 ", "avx2 avx512f avx512bw avx512_bf16 amx_bf16 ")
 SKYLAKE_X = AVX2_ONLY.replace("avx2 ", "avx2 avx512f avx512bw ")
+AVX512_BF16 = AVX2_ONLY.replace("avx2 ", "avx2 avx512f avx512bw avx512_bf16 ")
+SAPPHIRE_RAPIDS = AVX2_ONLY.replace(
+    "avx2 ", "avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8 "
+)
 GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 NEOVERSE_N1 = "processor\t: 0\nFeatures\t: fp asimd crc32 atomics\n"
 
 
 @pytest.mark.parametrize(
-    ("cpuinfo", "dtype"),
+    ("cpuinfo", "generate", "pooling"),
     [
-        (AVX2_ONLY, "float32"),
-        (SAPPHIRE_RAPIDS, "bfloat16"),
-        (SKYLAKE_X, "bfloat16"),
-        (GRAVITON3, "bfloat16"),
-        (NEOVERSE_N1, "float32"),
-        ("", "bfloat16"),
+        (AVX2_ONLY, "float32", "float32"),
+        (SKYLAKE_X, "bfloat16", "float32"),
+        (AVX512_BF16, "bfloat16", "float32"),
+        (SAPPHIRE_RAPIDS, "bfloat16", "float32"),
+        (GRAVITON3, "bfloat16", "float32"),
+        (NEOVERSE_N1, "float32", "float32"),
+        ("", "bfloat16", "float32"),
     ],
-    ids=["avx2-only", "amx", "avx512", "arm-bf16", "arm-no-bf16", "unreadable"],
+    ids=["avx2-only", "avx512", "avx512-bf16", "amx", "arm-bf16", "arm-no-bf16", "unreadable"],
 )
-def test_bf16_only_where_the_cpu_computes_it_in_vectors(cpuinfo: str, dtype: str) -> None:
-    assert cpu_dtype(cpuinfo) == dtype
+def test_bf16_only_where_the_cpu_computes_it_and_the_runner_survives_it(
+    cpuinfo: str, generate: str, pooling: str
+) -> None:
+    assert cpu_dtype(cpuinfo, runner="generate") == generate
+    assert cpu_dtype(cpuinfo) == generate
+    assert cpu_dtype(cpuinfo, runner="pooling") == pooling
 
 
-def test_the_worker_is_started_with_its_dtype() -> None:
+def test_the_worker_is_started_with_its_runner_and_dtype() -> None:
     command = VllmWorker(8999, dtype="float32").command()
     assert command[command.index("--dtype") + 1] == "float32"
+    assert "--runner" not in command
     default = VllmWorker(8999).command()
     assert default[default.index("--dtype") + 1] == cpu_dtype()
+    pooling = VllmWorker(8999, runner="pooling").command()
+    assert pooling[pooling.index("--dtype") + 1] == "float32"
+    assert pooling[pooling.index("--runner") + 1] == "pooling"
+    assert pooling[pooling.index("--convert") + 1] == "embed"
+
+
+def test_the_command_line_passes_runner_and_dtype_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[VllmWorker] = []
+
+    def start(worker: VllmWorker) -> None:
+        seen.append(worker)
+        raise KeyboardInterrupt  # stands for Ctrl-C right after the start
+
+    monkeypatch.setattr(VllmWorker, "start", start)
+    # main() takes SIGINT and SIGTERM over, and ignores both on its way out: not this process's.
+    monkeypatch.setattr("signal.signal", lambda signum, handler: None)
+    assert main(["--port", "8999", "--runner", "pooling"]) == 0
+    assert main(["--port", "8999", "--dtype", "bfloat16", "--enforce-eager"]) == 0
+    assert [(w.runner, w.dtype) for w in seen] == [
+        ("pooling", "float32"),
+        ("generate", "bfloat16"),
+    ]
+    assert seen[1].command()[-1] == "--enforce-eager"
 
 
 def test_the_roofline_figures_follow_the_dtype() -> None:
