@@ -397,6 +397,35 @@ class VllmWorker:
             return ""
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
+    def death(self, *, probe: bool = False) -> str | None:
+        """Why a started worker is no longer serving, or None while it may be.
+
+        A worker exited on its own (any exit not caused by :meth:`stop`) is dead. With
+        ``probe``, so is one whose server answers ``/health`` with an error (vLLM's 503 once its
+        engine died) or refuses connections; a probe that times out says nothing (a busy worker
+        is not a dead one). Never started, or stopped on purpose: None.
+        """
+        proc = self._proc
+        if proc is None or self._stopped:
+            return None
+        code = proc.poll()
+        if code is not None:
+            return f"exited with {code}"
+        if not probe:
+            return None
+        try:
+            with _NO_PROXY.open(f"{self.url}/health", timeout=5) as response:
+                status = response.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        except ConnectionRefusedError:
+            return "refuses connections"
+        except OSError as exc:
+            if isinstance(getattr(exc, "reason", None), ConnectionRefusedError):
+                return "refuses connections"
+            return None
+        return None if status == 200 else f"answers /health with {status}"
+
     def wait_ready(self, timeout: float = 300) -> None:
         """Poll ``/health`` until it answers 200.
 

@@ -15,10 +15,11 @@ import pytest
 
 from scripts.redis_server import RedisServer
 from tests.servers import free_port
+from tests.worker_watch import serving
 
 
 @pytest.fixture(scope="session")
-def vllm_worker_url() -> Iterator[str]:
+def vllm_worker_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A real vLLM CPU worker serving ``tiny-llama`` (or the one at ``$VLLM_WORKER_URL``).
 
     Started once per session (about a minute) and stopped, with every process it spawned, at
@@ -30,17 +31,12 @@ def vllm_worker_url() -> Iterator[str]:
     # Imported here so that the unit tests do not depend on the launcher.
     from scripts.vllm_worker import VllmWorker
 
-    worker = VllmWorker(port=free_port())
-    worker.start()
-    try:
-        worker.wait_ready(timeout=600)
+    with serving(request, VllmWorker(port=free_port())) as worker:
         yield worker.url
-    finally:
-        worker.stop()
 
 
 @pytest.fixture(scope="session")
-def vllm_pooling_url() -> Iterator[str]:
+def vllm_pooling_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A real vLLM CPU worker serving ``tiny-embed`` (or the one at ``$VLLM_POOLING_URL``).
 
     The ``tiny-llama`` folder served by vLLM's pooling runner (``--runner pooling --convert
@@ -53,15 +49,11 @@ def vllm_pooling_url() -> Iterator[str]:
         return
     from scripts.vllm_worker import VllmWorker
 
-    worker = VllmWorker(
+    pooling = VllmWorker(
         port=free_port(), model_name="tiny-embed", runner="pooling", extra_args=["--enforce-eager"]
     )
-    worker.start()
-    try:
-        worker.wait_ready(timeout=600)
+    with serving(request, pooling) as worker:
         yield worker.url
-    finally:
-        worker.stop()
 
 
 _WORKER_FIXTURES = frozenset({"vllm_worker_url", "vllm_pooling_url"})

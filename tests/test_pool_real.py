@@ -23,6 +23,7 @@ import pytest
 from scripts.vllm_worker import VllmWorker
 from tests.servers import free_port, running_gateway, settings_for
 from tests.test_real_worker import scrape, total, wait_idle
+from tests.worker_watch import serving
 
 MODEL = "tiny-llama"
 ONLY_B = "tiny-llama-b"
@@ -30,17 +31,13 @@ PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse kee
 
 
 @pytest.fixture(scope="module")
-def worker_b() -> Iterator[VllmWorker]:
+def worker_b(request: pytest.FixtureRequest) -> Iterator[VllmWorker]:
     """A second real worker, serving the shared model and one of its own."""
     worker = VllmWorker(
         port=free_port(), extra_args=["--served-model-name", MODEL, ONLY_B], kv_cache_gib=1
     )
-    worker.start()
-    try:
-        worker.wait_ready(timeout=600)
+    with serving(request, worker):
         yield worker
-    finally:
-        worker.stop()
 
 
 def _label(url: str) -> str:

@@ -24,6 +24,7 @@ import pytest
 from scripts.vllm_worker import VllmWorker
 from tests.servers import free_port, running_gateway, settings_for
 from tests.test_real_worker import scrape, total, wait_idle
+from tests.worker_watch import serving
 
 MODEL = "tiny-llama"
 # Common words of the tiny model's tokenizer: about 1.6 tokens each.
@@ -42,15 +43,10 @@ def _label(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def worker_a() -> Iterator[VllmWorker]:
+def worker_a(request: pytest.FixtureRequest) -> Iterator[VllmWorker]:
     """A second real worker that runs at most two sequences at once; the rest wait."""
-    worker = VllmWorker(port=free_port(), extra_args=["--max-num-seqs", "2"])
-    worker.start()
-    try:
-        worker.wait_ready(timeout=600)
-        yield worker
-    finally:
-        worker.stop()
+    with serving(request, VllmWorker(port=free_port(), extra_args=["--max-num-seqs", "2"])) as a:
+        yield a
 
 
 @pytest.fixture(scope="module")
