@@ -21,6 +21,7 @@ from app.auth import Authenticator
 from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
 from app.goodput import GoodputTracker
+from app.internals import assumptions_held
 from app.limits import Limits
 from app.looplag import LoopLagProbe
 from app.metrics import GatewayMetrics
@@ -81,6 +82,8 @@ def create_app(
         goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
         recorder = Recorder(settings, metrics, goodput, auth, sizer, pool, limits)
+        for name, missing in assumptions_held().items():
+            metrics.library_assumption.labels(name).set(0 if missing else 1)
         lag.start()
         exporter: asyncio.Task[None] | None = None
         try:

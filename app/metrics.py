@@ -563,6 +563,12 @@ class GatewayMetrics:
             if settings.redis_url
             else None
         )
+        self.library_assumption = Gauge(
+            "gateway_library_assumption",
+            "1 where an undocumented part of a library the gateway leans on is as expected, 0 "
+            "where not (logged at start-up with what it costs).",
+            ["assumption"], multiprocess_mode="livemin", registry=reg,
+        )  # fmt: skip
         for tier in settings.tiers:
             # Exported at zero from the start: rate() counts only increases between scrapes, so
             # a series that first appears with its first burst of events shows no rate for it.

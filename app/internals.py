@@ -1,0 +1,193 @@
+"""The libraries' undocumented parts the gateway leans on, checked once at start-up.
+
+A few fast paths and subclasses stand on parts of aiohttp, httpx-aiohttp, uvicorn, asyncio,
+Starlette and prometheus-client that no release promises to keep. ``pyproject.toml`` bounds
+each of those libraries at the newest minor release the suite passed on; this check covers an
+install that bypasses the bounds (a pinned image, ``--no-deps``). Each assumption that does not
+hold in the versions installed is logged as a warning at start-up, naming what is missing and
+what it costs, and exported as ``gateway_library_assumption{assumption}`` 0 (1 where it holds):
+never a silent slower path.
+
+Rules: a check only looks (it constructs throw-away objects, never sends a byte); it names the
+missing attributes, so the log says what changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import prometheus_client
+import uvicorn
+from httpx_aiohttp.transport import AiohttpResponseStream
+from prometheus_client.metrics import MetricWrapperBase
+from starlette.datastructures import State
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+from uvicorn.supervisors.multiprocess import Multiprocess, Process
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Assumption:
+    """One undocumented part of a library, what stands on it, and how to see it holds.
+
+    ``missing`` returns the names it looked for and did not find (empty: it holds).
+    """
+
+    name: str
+    library: str
+    cost: str
+    missing: Callable[[asyncio.AbstractEventLoop], list[str]]
+
+
+def _lacks(target: object, names: tuple[str, ...]) -> list[str]:
+    return [name for name in names if not hasattr(target, name)]
+
+
+def _reader_push(loop: asyncio.AbstractEventLoop) -> list[str]:
+    reader = aiohttp.StreamReader(_NoProtocol(), 2**16, loop=loop)  # type: ignore[arg-type]
+    missing = _lacks(reader, ("_waiter", "_buffer", "read_nowait", "is_eof", "readchunk"))
+    if "_buffer" not in missing and not isinstance(getattr(reader, "_buffer"), collections.deque):  # noqa: B009
+        missing.append("_buffer as a deque")
+    return missing
+
+
+class _NoProtocol:
+    """Stands for the connection a throw-away reader never reads from."""
+
+
+def _response_stream(loop: asyncio.AbstractEventLoop) -> list[str]:
+    return _lacks(AiohttpResponseStream(object()), ("_aiohttp_response",))  # type: ignore[arg-type]
+
+
+def _future_blocking(loop: asyncio.AbstractEventLoop) -> list[str]:
+    future = loop.create_future()
+    try:
+        return _lacks(future, ("_asyncio_future_blocking",))
+    finally:
+        future.cancel()
+
+
+async def _no_app(scope: object, receive: object, send: object) -> None:
+    """The ASGI app of the throw-away protocol: never called."""
+
+
+def _httptools_protocol(loop: asyncio.AbstractEventLoop) -> list[str]:
+    config = uvicorn.Config(_no_app, http="httptools", lifespan="off", log_config=None)
+    config.load()
+    protocol = HttpToolsProtocol(config, ServerState(), {}, loop)
+    attributes = ("limit_concurrency", "app_state", "scope", "connections", "transport", "cycle")
+    hooks = (
+        "on_message_begin", "on_url", "on_header", "on_headers_complete", "on_body",
+        "on_message_complete", "send_400_response", "data_received", "connection_made",
+        "connection_lost", "loop", "headers",
+    )  # fmt: skip
+    return _lacks(protocol, attributes + hooks)
+
+
+def _multiprocess(loop: asyncio.AbstractEventLoop) -> list[str]:
+    process = _lacks(Process, ("target", "start", "is_alive", "kill", "join", "server"))
+    process += [f"Process.{name}" for name in _code_names(Process.__init__, ("_server",))]
+    supervisor = _lacks(
+        Multiprocess,
+        ("init_processes", "keep_subprocess_alive", "handle_hup", "handle_ttin", "handle_ttou"),
+    )
+    return process + supervisor
+
+
+def _code_names(function: Callable[..., object], names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that ``function``'s own code does not assign or read."""
+    used = set(getattr(function, "__code__").co_names)  # noqa: B009
+    return [name for name in names if name not in used]
+
+
+def _request_state(loop: asyncio.AbstractEventLoop) -> list[str]:
+    return _lacks(State(), ("_state",))
+
+
+def _metric_children(loop: asyncio.AbstractEventLoop) -> list[str]:
+    methods = _lacks(MetricWrapperBase, ("labels", "remove", "remove_by_labels", "clear"))
+    mro = [] if issubclass(prometheus_client.Counter, MetricWrapperBase) else ["Counter's base"]
+    return methods + mro
+
+
+ASSUMPTIONS = (
+    Assumption(
+        "aiohttp_reader_push", "aiohttp",
+        "each worker chunk is read by a coroutine, not handed on in the connection's callback",
+        _reader_push,
+    ),
+    Assumption(
+        "httpx_aiohttp_response", "httpx-aiohttp",
+        "a worker's body cannot be read chunk by chunk: streamed requests fail",
+        _response_stream,
+    ),
+    Assumption(
+        "asyncio_future_blocking", "asyncio",
+        "a send that must wait is finished by a task of its own",
+        _future_blocking,
+    ),
+    Assumption(
+        "uvicorn_httptools_protocol", "uvicorn",
+        "the header deadline, head limits, connection cap and first-byte time may not apply",
+        _httptools_protocol,
+    ),
+    Assumption(
+        "uvicorn_multiprocess", "uvicorn",
+        "GATEWAY_PROCESSES above 1 may not start or replace its processes",
+        _multiprocess,
+    ),
+    Assumption(
+        "starlette_request_state", "starlette",
+        "handlers cannot find the lifespan's state: every request fails",
+        _request_state,
+    ),
+    Assumption(
+        "prometheus_metric_children", "prometheus-client",
+        "labelled metrics may not keep their children: every request may fail to count",
+        _metric_children,
+    ),
+)  # fmt: skip
+
+
+def check(
+    loop: asyncio.AbstractEventLoop, assumptions: tuple[Assumption, ...] = ASSUMPTIONS
+) -> dict[str, list[str]]:
+    """Check every assumption; log each that does not hold; the missing names of each.
+
+    A check that raises counts as not holding, its error named.
+    """
+    found: dict[str, list[str]] = {}
+    for assumption in assumptions:
+        try:
+            missing = assumption.missing(loop)
+        except Exception as exc:
+            missing = [f"{type(exc).__name__}: {exc}"]
+        found[assumption.name] = missing
+        if missing:
+            log.warning(
+                "%s does not hold (%s, installed outside the bounds in pyproject.toml?): "
+                "missing %s; so %s",
+                assumption.name, assumption.library, ", ".join(missing), assumption.cost,
+            )  # fmt: skip
+    return found
+
+
+_held: dict[str, list[str]] = {}
+
+
+def assumptions_held() -> dict[str, list[str]]:
+    """:func:`check` of :data:`ASSUMPTIONS` on the running loop, done (and logged) once a process.
+
+    The installed libraries do not change while a process runs; a process that starts many apps
+    (the tests) checks and warns once.
+    """
+    if not _held:
+        _held.update(check(asyncio.get_running_loop()))
+    return dict(_held)
