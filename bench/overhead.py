@@ -1,6 +1,6 @@
 """Gateway overhead benchmark: the same streams sent straight to the workers and via the gateway.
 
-``python -m bench.overhead [--concurrency 1,32,128,512,1024] [--memory-streams 2048]
+``python -m bench.overhead [--concurrency 1,32,128,512,1024] [--memory-streams 10000]
 [--profile 32,128] [--out bench/results/overhead.json]``
 
 Fixed-timing fake workers (:mod:`bench.fake_worker`, one process each), the gateway
@@ -19,17 +19,20 @@ pace per stream is slowed so that all streams together stay at ``--max-rate`` to
 the whole benchmark shares two cores. Requests and events per second then stay constant from
 128 streams up, and only the concurrency grows, which is what the flatness check is about.
 
-``--memory-streams N`` (default 2,048) also opens N streams at one token a second through a
+``--memory-streams N`` (default 10,000) also opens N streams at one token a second through a
 fresh gateway (admission off: a 1 s TPOT is far over every tier's target), reads the gateway's
 RSS with and without them, and sends probe requests through the gateway and directly while they
 run. ``--profile 32,128`` records the gateway with py-spy in one extra round at each of those
 concurrencies and prints its top functions.
 
-With ``--reference`` (by default ``.venv-router``'s, which ``make bench`` installs), vLLM's Rust
-router (``vllm-router``, round robin) relays the same rounds in front of the same workers: what
-relaying costs on this machine in a compiled router, beside what it costs in the gateway.
+Two references relay the same rounds in front of the same workers, so that what relaying costs
+on this machine is measured beside what it costs in the gateway: the project's minimal Python
+relay (``python-relay``, :mod:`bench.reference_relay`, uvloop and httptools doing a data plane's
+work per event and nothing more; ``--no-floor`` skips it) and, with ``--reference`` (by default
+``.venv-router``'s, which ``make bench`` installs), vLLM's Rust router (``vllm-router``, round
+robin).
 
-It prints markdown tables and PASS/MISS against the targets of issue 15, writes a JSON file,
+It prints markdown tables and PASS/MISS against the targets of issue 66, writes a JSON file,
 and always exits 0: it is a benchmark, not a test.
 """
 
@@ -73,21 +76,20 @@ Mode = str
 """``direct``, ``gateway``, ``gateway-b`` (the same gateway at another commit or setting) or
 ``vllm-router`` (the reference)."""
 REFERENCE: Final = "vllm-router"
+FLOOR: Final = "python-relay"
+"""The project's own minimal relay (:mod:`bench.reference_relay`): the floor of a Python relay."""
 REFERENCE_BIN: Final = ROOT / ".venv-router" / "bin" / "vllm-router"
 
-# Targets of issue 15: what the gateway may add on top of the workers.
-ADDED_TTFT_P50_MS: Final = {1: 0.5}
-ADDED_TTFT_P50_DEFAULT_MS: Final = 1.0
-ADDED_TTFT_P99_MS: Final = 5.0
+# Targets of issue 66, as ratios within one run: what the gateway may add on top of the workers,
+# against the project's minimal Python relay (the floor) and vLLM's Rust router.
+ADDED_TTFT_P50_MS: Final = 1.0
 ITL_P50_TOLERANCE: Final = 0.05
 RATE_MIN_RATIO: Final = 0.95
-CPU_PER_EVENT_US: Final = 25.0
 CPU_FLAT_RATIO: Final = 1.5
-# The issue's 25 µs against the 17 µs vllm-router took beside it at 32 and 128 streams: the same
-# target on a machine whose syscalls and wake-ups cost more or less.
-CPU_OF_REFERENCE_RATIO: Final = 25.0 / 17.0
+CPU_OF_FLOOR_RATIO: Final = 1.5
+CPU_OF_REFERENCE_RATIO: Final = 1.0
 MEMORY_RSS_MAX_MIB: Final = 1024.0
-MEMORY_PROBE_P99_MS: Final = 50.0
+MEMORY_PROBE_P99_MS: Final = 100.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,9 +333,11 @@ class Stack:
         b_root: Path | None = None,
         b_env: dict[str, str] | None = None,
         reference: Path | None = None,
+        floor: bool = False,
     ) -> None:
         self._b_root = b_root
         self._reference = reference
+        self._floor = floor
         self._b_env = b_env
         self._workers = workers
         self._want_gateway = gateway
@@ -389,14 +393,15 @@ class Stack:
             port = self._read_worker_port(name, proc)
             self.worker_ports.append(port)
             self._wait_ready(name, f"http://{HOST}:{port}/health", 10.0)
-        if not self._want_gateway:
-            return
-        self._start_gateway("gateway", ROOT, self._gateway_env)
-        if self._b_root is not None or self._b_env:
+        if self._want_gateway:
+            self._start_gateway("gateway", ROOT, self._gateway_env)
+        if self._want_gateway and (self._b_root is not None or self._b_env):
             b_env = self._gateway_env | (self._b_env or {})
             self._start_gateway("gateway-b", self._b_root or ROOT, b_env)
         if self._reference is not None:
             self._start_reference(self._reference)
+        if self._floor:
+            self._start_floor()
 
     def _start_gateway(self, name: str, root: Path, extra: dict[str, str]) -> None:
         port = self.gateway_ports[name] = free_port()
@@ -425,6 +430,17 @@ class Stack:
         ]  # fmt: skip
         self._spawn(REFERENCE, command)
         self._wait_ready(REFERENCE, f"http://{HOST}:{port}/health", 60.0)
+
+    def _start_floor(self) -> None:
+        """Start the minimal Python relay in front of the same workers (round robin)."""
+        port = self.gateway_ports[FLOOR] = free_port()
+        urls = ",".join(f"http://{HOST}:{p}" for p in self.worker_ports)
+        command = [
+            sys.executable, "-m", "bench.reference_relay", "--host", HOST, "--port", str(port),
+            "--workers", urls,
+        ]  # fmt: skip
+        self._spawn(FLOOR, command)
+        self._wait_ready(FLOOR, f"http://{HOST}:{port}/health", 30.0)
 
     def _read_worker_port(self, name: str, proc: subprocess.Popen[bytes]) -> int:
         assert proc.stdout is not None
@@ -675,6 +691,42 @@ def measure(
     return cells
 
 
+PER_REQUEST_STREAMS: Final = 32
+PER_REQUEST_TOKENS: Final = 2
+
+
+def per_request(
+    bench: Bench, targets: dict[Mode, list[int]], args: argparse.Namespace,
+    log: Callable[[str], None],
+) -> dict[Mode, float]:  # fmt: skip
+    """CPU µs per request of every relay, with answers of 2 tokens at 32 streams (ABBA rounds).
+
+    So short an answer makes what a request costs (parsing, routing, opening the worker
+    request, the access line) outweigh what its events cost.
+    """
+    load = Load(PER_REQUEST_STREAMS, args.duration, PER_REQUEST_TOKENS, args.ttft_ms, args.itl_ms)
+    relays = [mode for mode in targets if mode != "direct"]
+    cpu = dict.fromkeys(relays, 0.0)
+    done = dict.fromkeys(relays, 0)
+    for r in range(args.rounds):
+        for mode in relays if r % 2 == 0 else relays[::-1]:
+            out = bench.round(targets[mode], load, count_connections=False)
+            cpu[mode] += out.cpu.get(mode, math.nan)
+            done[mode] += out.result.ok
+            log(f"per request round {r + 1} {mode}: {out.result.ok}/{out.result.sent} ok")
+    return {mode: 1e6 * cpu[mode] / done[mode] if done[mode] else math.nan for mode in relays}
+
+
+def per_request_checks(costs: dict[Mode, float]) -> list[Check]:
+    """The gateway's CPU per request against the router's (issue 66: at most the router's)."""
+    gw, router = costs.get("gateway"), costs.get(REFERENCE)
+    if gw is None or router is None:
+        return []
+    times = gw / router
+    name = f"CPU per request gateway/{REFERENCE} @ {PER_REQUEST_STREAMS}"
+    return [Check(name, times, "<= 1.00x", times <= 1.0, f"{gw:.0f}/{router:.0f} µs")]
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory per stream
 
@@ -920,7 +972,9 @@ def process_table(cells: dict[tuple[Mode, int], Cell]) -> str:
         used = cell.cpu_percent()
         clients = [v for k, v in used.items() if k.startswith("client")]
         workers = [v for k, v in used.items() if k.startswith("worker")]
-        relays = sum(v for k, v in used.items() if k.startswith("gateway") or k == REFERENCE)
+        relays = sum(
+            v for k, v in used.items() if k.startswith("gateway") or k in (REFERENCE, FLOOR)
+        )
         ours = sum(clients) + sum(workers) + relays + used.get("bench", 0.0)
         machine = used.get("machine", math.nan)
         per_stream = cell.worker_connections / cell.sent if cell.sent else math.nan
@@ -953,37 +1007,45 @@ class Check:
 def checks(
     cells: dict[tuple[Mode, int], Cell], concurrencies: Sequence[int], tokens: int
 ) -> list[Check]:
-    """Gateway against direct, for every target of issue 15, at every concurrency."""
+    """Gateway against direct and the references, for every target of issue 66.
+
+    Ratios within this run: CPU per event against the minimal Python relay (:data:`FLOOR`) and
+    vllm-router, added TTFT p99 against the router's.
+    """
     out: list[Check] = []
     for conc in concurrencies:
         direct, gw = cells["direct", conc], cells["gateway", conc]
+        floor, router = cells.get((FLOOR, conc)), cells.get((REFERENCE, conc))
         added = gw.ms(gw.ttft_s, 50) - direct.ms(direct.ttft_s, 50)
-        limit = ADDED_TTFT_P50_MS.get(conc, ADDED_TTFT_P50_DEFAULT_MS)
-        if conc <= 128:
+        if conc == 1:
+            limit = ADDED_TTFT_P50_MS
             out.append(Check(f"added TTFT p50 @ {conc}", added, f"<= {limit:g} ms",
                              added <= limit, f"{added:+.3f} ms"))  # fmt: skip
         added99 = gw.ms(gw.ttft_s, 99) - direct.ms(direct.ttft_s, 99)
-        out.append(Check(f"added TTFT p99 @ {conc}", added99, f"<= {ADDED_TTFT_P99_MS:g} ms",
-                         added99 <= ADDED_TTFT_P99_MS, f"{added99:+.3f} ms"))  # fmt: skip
+        if router is not None:
+            theirs = router.ms(router.ttft_s, 99) - direct.ms(direct.ttft_s, 99)
+            out.append(Check(f"added TTFT p99 gateway - {REFERENCE} @ {conc}", added99 - theirs,
+                             "<= 0 ms", added99 <= theirs,
+                             f"{added99:+.2f} vs {theirs:+.2f} ms"))  # fmt: skip
         ratio = gw.ms(gw.itl_s, 50) / direct.ms(direct.itl_s, 50)
         out.append(Check(f"ITL p50 gateway/direct @ {conc}", ratio,
                          f"within {ITL_P50_TOLERANCE:.0%}", abs(ratio - 1) <= ITL_P50_TOLERANCE,
                          f"{ratio:.3f}"))  # fmt: skip
         rate = gw.events_per_s / direct.events_per_s
-        if conc >= 32:
+        if conc >= 128:
             out.append(Check(f"event rate gateway/direct @ {conc}", rate,
                              f">= {RATE_MIN_RATIO:.0%}", rate >= RATE_MIN_RATIO,
                              f"{rate:.3f}"))  # fmt: skip
+        if conc >= 32:
             cpu = gw.cpu_us_per_event
-            out.append(Check(f"gateway CPU per event @ {conc}", cpu,
-                             f"<= {CPU_PER_EVENT_US:g} µs", cpu <= CPU_PER_EVENT_US,
-                             f"{cpu:.1f} µs"))  # fmt: skip
-            reference = cells.get((REFERENCE, conc))
-            if reference is not None:
-                times = cpu / reference.cpu_us_per_event
-                out.append(Check(f"CPU per event gateway/{REFERENCE} @ {conc}", times,
-                                 f"<= {CPU_OF_REFERENCE_RATIO:.2f}x",
-                                 times <= CPU_OF_REFERENCE_RATIO, f"{times:.2f}x"))  # fmt: skip
+            for name, ref, most in ((FLOOR, floor, CPU_OF_FLOOR_RATIO),
+                                    (REFERENCE, router, CPU_OF_REFERENCE_RATIO)):  # fmt: skip
+                if ref is None:
+                    continue
+                times = cpu / ref.cpu_us_per_event
+                out.append(Check(f"CPU per event gateway/{name} @ {conc}", times,
+                                 f"<= {most:.2f}x", times <= most,
+                                 f"{cpu:.1f}/{ref.cpu_us_per_event:.1f} µs"))  # fmt: skip
         same = set(gw.content_per_stream) == set(direct.content_per_stream) == {tokens}
         whole = gw.max_content_per_http_chunk == 1
         seen = "/".join(str(k) for k in sorted(gw.content_per_stream)) or "none"
@@ -1087,7 +1149,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--memory-streams",
         type=int,
-        default=2048,
+        default=10000,
         help="streams at 1 token/s for the memory run (0: skip it)",
     )
     parser.add_argument("--memory-only", action="store_true", help="only the memory run")
@@ -1135,6 +1197,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="vllm-router executable measured beside the gateway as the reference "
         "(auto: .venv-router's, from scripts/install_router.sh, when present; none: skip)",
+    )
+    parser.add_argument(
+        "--no-per-request", action="store_true", help="skip the CPU-per-request rounds"
+    )
+    parser.add_argument(
+        "--no-floor", action="store_true", help=f"skip the minimal Python relay ({FLOOR})"
     )
     parser.add_argument("--direct-only", action="store_true",
                         help="measure the workers alone (no gateway)")  # fmt: skip
@@ -1203,6 +1271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     cells: dict[tuple[Mode, int], Cell] = {}
     profiles: dict[int, dict[str, Any]] = {}
     mem: MemoryResult | None = None
+    costs: dict[Mode, float] = {}
     try:
         if not args.memory_only:
             _log(f"starting {args.workers} fake worker(s){' and the gateway' if gateway else ''}")
@@ -1211,7 +1280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                     workers=args.workers, gateway=gateway, logdir=args.logs,
                     gateway_env=gateway_env, log=_log, max_num_seqs=max(1024, *concurrencies),
                     nofile=4 * max(concurrencies) + 1024, b_root=b_root, b_env=b_env,
-                    reference=reference,
+                    reference=reference, floor=gateway and not args.no_floor,
                 ) as stack,
                 contextlib.closing(ClientPool(args.clients)) as clients,
             ):  # fmt: skip
@@ -1221,6 +1290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                     targets[name] = [port]
                 _log(f"targets: {targets}; measuring")
                 cells = measure(bench, targets, args, concurrencies, _log)
+                if gateway and not args.no_per_request:
+                    costs = per_request(bench, targets, args, _log)
                 for conc in [int(c) for c in args.profile.split(",") if c.strip()]:
                     if gateway:
                         prof = profile_round(bench, args, conc, _log)
@@ -1248,8 +1319,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         print()
         print(process_table(cells))
         print()
+        if costs:
+            print(
+                f"CPU per request ({PER_REQUEST_TOKENS}-token answers, {PER_REQUEST_STREAMS} "
+                "streams): " + ", ".join(f"{mode} {_fmt(us, 0)} µs" for mode, us in costs.items())
+            )
+            print()
         if gateway:
-            summary = checks(cells, concurrencies, args.max_tokens)
+            summary = checks(cells, concurrencies, args.max_tokens) + per_request_checks(costs)
     if mem is not None:
         print(memory_table(mem))
         print()
@@ -1282,6 +1359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             "loadavg_1min_after": _loadavg(),
         },
         "cells": [cell.to_json() for cell in cells.values()],
+        "cpu_us_per_request": costs,
         "memory": None
         if mem is None
         else {

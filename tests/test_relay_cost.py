@@ -23,7 +23,7 @@ from pathlib import Path
 
 from app.upstream import connection_budget
 from bench.load_client import ClientPool
-from bench.overhead import Bench, Load, Stack, proc_cpu_s
+from bench.overhead import FLOOR, Bench, Load, Stack, proc_cpu_s
 
 # 80 requests a second either way: 8 streams answered after 100 ms, 128 after 1.6 s.
 _FEW = Load(streams=8, duration_s=2.5, max_tokens=1, ttft_ms=100.0, itl_ms=10.0)
@@ -82,3 +82,25 @@ def test_a_process_cpu_time_takes_in_its_children(tmp_path: Path) -> None:
             assert proc_cpu_s(proc.pid) >= 0.4
         finally:
             proc.kill()
+
+
+def test_the_reference_relay_relays_each_event_as_its_own_chunk(tmp_path: Path) -> None:
+    # make bench's floor (bench/reference_relay.py) must do the work it stands for: every
+    # stream whole, each worker chunk one client chunk, behind a kept-alive worker connection.
+    load = Load(streams=8, duration_s=1.0, max_tokens=16, ttft_ms=20.0, itl_ms=10.0)
+    with (
+        Stack(
+            workers=2, gateway=False, logdir=tmp_path, gateway_env={}, log=print,
+            max_num_seqs=64, floor=True,
+        ) as stack,
+        contextlib.closing(ClientPool(1)) as clients,
+    ):  # fmt: skip
+        bench = Bench(stack, clients)
+        out = bench.round([stack.gateway_ports[FLOOR]], load)
+    result = out.result
+    assert result.sent > 8
+    assert result.ok == result.sent, result.errors
+    assert set(result.content_per_stream) == {16}
+    assert result.max_content_per_http_chunk == 1
+    # One connection per worker per stream at most: the pool keeps them alive across requests.
+    assert out.worker_connections <= load.streams
