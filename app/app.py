@@ -36,7 +36,8 @@ from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
 from app.trace import RELAYED_PATHS, TraceMiddleware
-from app.upstream import UpstreamSlots, connection_budget, make_client
+from app.upstream import UpstreamSlots, connection_budget, make_client, make_wire
+from app.wire import Connector
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,15 @@ def create_app(
     settings: Settings,
     *,
     transport: httpx.AsyncBaseTransport | None = None,
+    connector: Connector | None = None,
     clock: Clock = default_clock,
     resolver: Resolver | None = None,
     shutdown: Shutdown | None = None,
 ) -> FastAPI:
     """Build a gateway app.
 
-    ``transport`` replaces the network to the workers and ``resolver`` the DNS (tests);
+    ``transport`` replaces the control plane's network to the workers, ``connector`` the
+    relay's, and ``resolver`` the DNS (tests);
     ``shutdown`` is the drain the server starts on SIGTERM (:mod:`app.shutdown`).
     """
     drain = shutdown or Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
@@ -74,6 +77,7 @@ def create_app(
         auth = Authenticator(settings, clock, shared)
         auth.log_mode()
         client = make_client(settings, transport)
+        wire = make_wire(settings, connector)
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
         router = Router(settings, pool, metrics=metrics)
         lag = LoopLagProbe(metrics.loop_lag)
@@ -110,7 +114,7 @@ def create_app(
             )  # fmt: skip
             slots = UpstreamSlots(connection_budget(settings.max_upstream_connections), metrics)
             deps = RelayDeps(
-                settings, client, pool, router, metrics, admission, recorder, slots, drain
+                settings, wire, pool, router, metrics, admission, recorder, slots, drain
             )
             yield {
                 STATE_KEY: GatewayState(
@@ -138,6 +142,7 @@ def create_app(
                 await shared.stop()
             await admission.stop()
             await pool.stop()
+            wire.close()
             await client.aclose()
 
     app = GatewayApp(

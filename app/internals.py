@@ -1,7 +1,7 @@
 """The libraries' undocumented parts the gateway leans on, checked once at start-up.
 
-A few fast paths and subclasses stand on parts of aiohttp, httpx-aiohttp, uvicorn, asyncio,
-Starlette and prometheus-client that no release promises to keep. ``pyproject.toml`` bounds
+A few fast paths and subclasses stand on parts of uvicorn, asyncio and prometheus-client that
+no release promises to keep. ``pyproject.toml`` bounds
 each of those libraries at the newest minor release the suite passed on; this check covers an
 install that bypasses the bounds (a pinned image, ``--no-deps``). Each assumption that does not
 hold in the versions installed is logged as a warning at start-up, naming what is missing and
@@ -15,17 +15,13 @@ missing attributes, so the log says what changed.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
 import prometheus_client
 import uvicorn
-from httpx_aiohttp.transport import AiohttpResponseStream
 from prometheus_client.metrics import MetricWrapperBase
-from starlette.datastructures import State
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
@@ -48,22 +44,6 @@ class Assumption:
 
 def _lacks(target: object, names: tuple[str, ...]) -> list[str]:
     return [name for name in names if not hasattr(target, name)]
-
-
-def _reader_push(loop: asyncio.AbstractEventLoop) -> list[str]:
-    reader = aiohttp.StreamReader(_NoProtocol(), 2**16, loop=loop)  # type: ignore[arg-type]
-    missing = _lacks(reader, ("_waiter", "_buffer", "read_nowait", "is_eof", "readchunk"))
-    if "_buffer" not in missing and not isinstance(getattr(reader, "_buffer"), collections.deque):  # noqa: B009
-        missing.append("_buffer as a deque")
-    return missing
-
-
-class _NoProtocol:
-    """Stands for the connection a throw-away reader never reads from."""
-
-
-def _response_stream(loop: asyncio.AbstractEventLoop) -> list[str]:
-    return _lacks(AiohttpResponseStream(object()), ("_aiohttp_response",))  # type: ignore[arg-type]
 
 
 def _future_blocking(loop: asyncio.AbstractEventLoop) -> list[str]:
@@ -107,10 +87,6 @@ def _code_names(function: Callable[..., object], names: tuple[str, ...]) -> list
     return [name for name in names if name not in used]
 
 
-def _request_state(loop: asyncio.AbstractEventLoop) -> list[str]:
-    return _lacks(State(), ("_state",))
-
-
 def _metric_children(loop: asyncio.AbstractEventLoop) -> list[str]:
     methods = _lacks(MetricWrapperBase, ("labels", "remove", "remove_by_labels", "clear"))
     mro = [] if issubclass(prometheus_client.Counter, MetricWrapperBase) else ["Counter's base"]
@@ -118,16 +94,6 @@ def _metric_children(loop: asyncio.AbstractEventLoop) -> list[str]:
 
 
 ASSUMPTIONS = (
-    Assumption(
-        "aiohttp_reader_push", "aiohttp",
-        "each worker chunk is read by a coroutine, not handed on in the connection's callback",
-        _reader_push,
-    ),
-    Assumption(
-        "httpx_aiohttp_response", "httpx-aiohttp",
-        "a worker's body cannot be read chunk by chunk: streamed requests fail",
-        _response_stream,
-    ),
     Assumption(
         "asyncio_future_blocking", "asyncio",
         "a send that must wait is finished by a task of its own",
@@ -142,11 +108,6 @@ ASSUMPTIONS = (
         "uvicorn_multiprocess", "uvicorn",
         "GATEWAY_PROCESSES above 1 may not start or replace its processes",
         _multiprocess,
-    ),
-    Assumption(
-        "starlette_request_state", "starlette",
-        "handlers cannot find the lifespan's state: every request fails",
-        _request_state,
     ),
     Assumption(
         "prometheus_metric_children", "prometheus-client",

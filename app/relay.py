@@ -38,7 +38,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -76,7 +75,9 @@ from app.sse import (
     with_fingerprint,
 )
 from app.timing import RequestTimer
-from app.upstream import UpstreamSlots, chunk_pusher, chunk_reader, worker_response
+from app.upstream import UpstreamSlots, worker_response
+from app.wire import Response as WorkerResponse
+from app.wire import WireClient, WireError
 from app.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class RelayDeps:
     """What every relay needs from the running app."""
 
     settings: Settings
-    client: httpx.AsyncClient
+    wire: WireClient
     pool: WorkerPool
     router: Router
     metrics: GatewayMetrics
@@ -330,26 +331,15 @@ class Relay(Response):
                 self._response(lease) as upstream,
             ):
                 stream = _Stream(self, send, lease, deadline, deadline_at, total_at)
-                read, pusher = chunk_reader(upstream), chunk_pusher(upstream)
-                while True:
-                    if pusher is not None and not pusher.ready:
-                        # Each event is relayed in the worker connection's own callback.
-                        pending = await pusher.push(stream.feed)
-                        if pending is None:
-                            break
-                    else:
-                        data = await read()
-                        if not data:
-                            break
-                        pending = stream.feed(data)
-                    if pending is not None:
-                        # A send waits while the client does not read (the server's write
-                        # buffer is full): the stall timeout's time, never the worker's.
-                        sending = True
-                        deadline.move(_earliest(loop.time() + stall, total_at))
-                        await pending
-                        sending = False
-                        deadline.move(stream.read_deadline())
+                # Each event is relayed in the worker connection's own callback.
+                while (pending := await upstream.push(stream.feed)) is not None:
+                    # A send waits while the client does not read (the server's write buffer
+                    # is full): the stall timeout's time, never the worker's.
+                    sending = True
+                    deadline.move(_earliest(loop.time() + stall, total_at))
+                    await pending
+                    sending = False
+                    deadline.move(stream.read_deadline())
                 sending = True  # the end of the body waits for a client that does not read, too
                 deadline.move(_earliest(loop.time() + stall, total_at))
                 if stream.held:
@@ -370,7 +360,7 @@ class Relay(Response):
             raise UpstreamTimeout(
                 f"Worker {lease.worker.label} timed out waiting for {what}."
             ) from exc
-        except httpx.TransportError as exc:
+        except WireError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {lease.worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
@@ -412,12 +402,12 @@ class Relay(Response):
         await pending
         self._sent(outputs, done)
 
-    def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[httpx.Response]:
+    def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[WorkerResponse]:
         """The worker's response to this request, sent now (the dispatch time is marked)."""
         deps = self._deps
         lease.dispatched = self._timer.dispatch()
         return worker_response(
-            deps.client, deps.slots, lease.worker, self._request.path, self._upstream_body,
+            deps.wire, deps.slots, lease.worker, self._request.path, self._upstream_body,
             self._request_id,
         )  # fmt: skip
 
@@ -431,12 +421,12 @@ class Relay(Response):
             )
         try:
             async with asyncio.timeout(timeout), self._response(lease) as upstream:
-                raw = await upstream.aread()
-                status = upstream.status_code
-                content_type = upstream.headers.get("content-type", "application/json").encode()
+                raw = await upstream.read()
+                status = upstream.status
+                content_type = upstream.header(b"content-type") or b"application/json"
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Worker {worker.label} did not answer in time.") from exc
-        except httpx.TransportError as exc:
+        except WireError as exc:
             raise UpstreamInvalidResponse(
                 f"Worker {worker.label} broke off the response: {type(exc).__name__}."
             ) from exc
@@ -559,7 +549,7 @@ class _Stream:
 
     :meth:`feed` takes each piece of the worker's body as it arrives and sends its whole
     events at once, in the worker connection's own callback when the transport pushes
-    (:func:`app.upstream.chunk_pusher`): no task wakes up for an event. Only a send that must
+    (:meth:`app.wire.Response.push`): no task wakes up for an event. Only a send that must
     wait (the client is not reading) is left to the relay's task.
     """
 

@@ -47,7 +47,7 @@ def get_state(request: Request) -> GatewayState:
     Called by the handlers themselves: as a FastAPI dependency, a plain ``def`` runs in
     FastAPI's thread pool, a hand-off to another thread and back on every request.
     """
-    state = request.state._state.get(STATE_KEY)
+    state = getattr(request.state, STATE_KEY, None)
     if not isinstance(state, GatewayState):
         raise RuntimeError("the gateway's lifespan has not run")
     return state

@@ -13,6 +13,8 @@ import uvicorn
 from app.app import create_app
 from app.server import collect_on_a_timer, server_config
 from app.settings import Settings
+from app.wire import Connector
+from tests.wire_bridge import bridge
 
 
 def free_port() -> int:
@@ -25,12 +27,20 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def running_gateway(
-    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+    settings: Settings,
+    transport: httpx.AsyncBaseTransport | None = None,
+    connector: Connector | None = None,
 ) -> AsyncIterator[str]:
-    """Serve a gateway on a free port; yield its base URL; shut it down afterwards."""
+    """Serve a gateway on a free port; yield its base URL; shut it down afterwards.
+
+    ``transport`` answers every request to the workers: the control plane's, and the relay's
+    through :func:`tests.wire_bridge.bridge`, unless ``connector`` replaces the relay's network.
+    """
+    if connector is None and transport is not None:
+        connector = bridge(transport)
     port = free_port()
     config = server_config(
-        create_app(settings, transport=transport),
+        create_app(settings, transport=transport, connector=connector),
         settings,
         host="127.0.0.1",
         port=port,

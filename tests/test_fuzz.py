@@ -18,6 +18,7 @@ from app.protocol import Endpoint, ParsedRequest, parse_request
 from tests.fake_upstream import MODEL, FakeWorker
 from tests.servers import settings_for
 from tests.test_gateway_fake import _ok
+from tests.wire_bridge import bridge
 
 WORKER = "http://fake-worker:8100"
 
@@ -89,7 +90,8 @@ def _parse(endpoint: Endpoint, raw: bytes) -> ParsedRequest | InvalidRequest:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    app = create_app(settings_for(WORKER), transport=FakeWorker(_ok).transport)
+    transport = FakeWorker(_ok).transport
+    app = create_app(settings_for(WORKER), transport=transport, connector=bridge(transport))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from app.settings import TierSpec
+from app.wire import ProtocolFactory
 from tests.fake_upstream import DONE, MODEL, FakeWorker, chunk, tokens, usage_chunk
 from tests.servers import running_gateway, settings_for
 from tests.test_endpoints import _metric
@@ -601,21 +603,28 @@ async def test_twenty_client_disconnects_do_not_eject_the_worker() -> None:
 
 
 async def test_out_of_file_descriptors_is_the_gateways_own_503_never_the_workers() -> None:
-    async def no_descriptors(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
-        # What a connect looks like when the process has no descriptor left for the socket.
-        cause = OSError(errno.EMFILE, "Too many open files")
-        raise httpx.ConnectError("Too many open files", request=request) from cause
+    connects = 0
 
-    worker = FakeWorker(no_descriptors)
-    async with running_gateway(settings_for(WORKER), worker.transport) as url:
-        async with httpx.AsyncClient(base_url=url) as client:
-            answers = [await client.post("/v1/chat/completions", json=_chat()) for _ in range(6)]
-            metrics = (await client.get("/metrics")).text
+    async def no_descriptors(
+        factory: ProtocolFactory, host: str, port: int, tls: ssl.SSLContext | None
+    ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
+        # What a connect looks like when the process has no descriptor left for the socket.
+        nonlocal connects
+        connects += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    worker = FakeWorker(_ok)
+    async with (
+        running_gateway(settings_for(WORKER), worker.transport, no_descriptors) as url,
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        answers = [await client.post("/v1/chat/completions", json=_chat()) for _ in range(6)]
+        metrics = (await client.get("/metrics")).text
     for answer in answers:
         assert answer.status_code == 503
         assert answer.json()["error"]["code"] == "gateway_saturated"
         assert "retry-after" in answer.headers
-    assert len(worker.requests) == 6  # tried once each: no failover, since no worker failed
+    assert connects == 6  # tried once each: no failover, since no worker failed
     assert 'gateway_saturated_total{resource="upstream_connections"} 6.0' in metrics
     assert 'gateway_worker_ejections_total{worker="fake-worker:8100"} 0.0' in metrics
     assert 'gateway_worker_up{worker="fake-worker:8100"} 1.0' in metrics

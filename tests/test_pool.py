@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import ssl
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from app.errors import ModelNotFound
 from app.metrics import GatewayMetrics
 from app.routing import RouteKey, Router
 from app.settings import Settings
+from app.wire import ProtocolFactory
 from app.workers import Worker, WorkerPool
 from tests.fake_upstream import MODEL, FakeWorker, chunk, fleet, tokens
 from tests.servers import running_gateway, settings_for
@@ -428,18 +430,19 @@ async def test_a_probe_that_timed_out_late_of_the_gateways_busy_loop_keeps_the_w
 async def test_a_connect_the_gateways_busy_loop_let_time_out_is_its_own(
     stall_s: float, code: str, ejected: float
 ) -> None:
-    stalls = _stall_then(httpx.ConnectTimeout, stall_s)
-
-    async def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/chat/completions":
-            return await stalls.handle_async_request(request)
-        return await worker.handle(request)
+    async def stalls(
+        factory: ProtocolFactory, host: str, port: int, tls: ssl.SSLContext | None
+    ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
+        # The connect blocks the loop, as a busy gateway's does, then never completes.
+        time.sleep(stall_s)  # noqa: ASYNC251 - the point: nothing else may run meanwhile
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     worker = FakeWorker(lambda r, b: asyncio.sleep(0))  # type: ignore[arg-type,return-value]
     settings = settings_for("http://w:1", connect_timeout_s=1.0, eject_after_failures=1)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     async with (
-        running_gateway(settings, httpx.MockTransport(handle)) as url,
+        running_gateway(settings, worker.transport, stalls) as url,
         httpx.AsyncClient(base_url=url) as client,
     ):
         r = await client.post("/v1/chat/completions", json=body)

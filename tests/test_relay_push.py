@@ -1,10 +1,10 @@
 """Events relayed in the worker connection's own callback: no task wakes up per event.
 
-The worker transport pushes each piece of a body to the relay as aiohttp's parser reads it
-(:meth:`app.upstream._Chunks.push`), and the relay sends it with the server's ``send`` run up to
+The relay's client pushes each chunk of a body to the relay as its parser reads it
+(:meth:`app.wire.Response.push`), and the relay sends it with the server's ``send`` run up to
 its first wait (:func:`app.relay.send_now`). These tests hold both to what a task-driven read
-and an awaited send would have done: the same pieces in the same order, errors raised as
-httpx's, a send that must wait finished later, a cancellation delivered.
+and an awaited send would have done: the same pieces in the same order, errors raised as the
+client's, a send that must wait finished later, a cancellation delivered.
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable
 
-import aiohttp
-import httpx
 import pytest
 from starlette.types import Message
 
 from app.relay import send_now
-from app.upstream import _PushingWaiter, chunk_pusher, chunk_reader, make_client
-from tests.servers import settings_for
+from app.wire import ConnectionClosed, Response, WireClient
 
 EVENTS = [b'data: {"n":%d}\n\n' % i for i in range(6)]
 
@@ -36,10 +33,10 @@ class PacedWorker:
         self.dies = dies
         self.server: asyncio.Server | None = None
 
-    async def __aenter__(self) -> str:
+    async def __aenter__(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}/v1/chat/completions"
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
 
     async def __aexit__(self, *exc: object) -> None:
         assert self.server is not None
@@ -68,7 +65,14 @@ class PacedWorker:
         writer.close()
 
 
-async def _pushed(url: str, sink_result: dict[int, Awaitable[None]] | None = None) -> list[bytes]:
+REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: w\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def _response(client: WireClient, port: int) -> Response:
+    return await client.request("127.0.0.1", port, False, lambda: [REQUEST])
+
+
+async def _pushed(port: int, sink_result: dict[int, Awaitable[None]] | None = None) -> list[bytes]:
     """The pieces a sink was handed, asserting each came outside any task."""
     pieces: list[bytes] = []
     pending_at = sink_result or {}
@@ -78,30 +82,20 @@ async def _pushed(url: str, sink_result: dict[int, Awaitable[None]] | None = Non
         pieces.append(data)
         return pending_at.get(len(pieces))
 
-    async with (
-        make_client(settings_for("http://unused:1")) as client,
-        client.stream("POST", url, content=b"{}") as response,
-    ):
-        pusher = chunk_pusher(response)
-        assert pusher is not None, "the worker transport's bodies can be pushed"
-        read = chunk_reader(response)
-        while True:
-            if pusher.ready:
-                data = await read()
-                if not data:
-                    break
-                pieces.append(data)
-                continue
-            pending = await pusher.push(sink)
-            if pending is None:
-                break
+    client = WireClient(2.0)
+    response = await _response(client, port)
+    try:
+        while (pending := await response.push(sink)) is not None:
             await pending
+    finally:
+        response.close()
+        client.close()
     return pieces
 
 
 async def test_each_chunk_is_pushed_by_itself_in_the_network_callback() -> None:
-    async with PacedWorker() as url:
-        pieces = await _pushed(url)
+    async with PacedWorker() as port:
+        pieces = await _pushed(port)
     assert pieces == EVENTS  # two chunks read together are still handed on one by one
 
 
@@ -112,32 +106,32 @@ async def test_a_sink_that_must_wait_stops_the_push_until_it_was_awaited() -> No
         await asyncio.sleep(0.05)  # the worker's next chunks arrive meanwhile, and wait
         waited.append(1)
 
-    async with PacedWorker() as url:
-        pieces = await _pushed(url, {2: later()})
+    async with PacedWorker() as port:
+        pieces = await _pushed(port, {2: later()})
     assert waited == [1]
     assert pieces == EVENTS  # nothing lost, nothing reordered
 
 
-async def test_a_connection_dropped_mid_body_raises_httpx_error() -> None:
-    async with PacedWorker(dies=True) as url:
-        with pytest.raises(httpx.TransportError):
-            await _pushed(url)
+async def test_a_connection_dropped_mid_body_raises_the_clients_error() -> None:
+    async with PacedWorker(dies=True) as port:
+        with pytest.raises(ConnectionClosed):
+            await _pushed(port)
 
 
-async def test_a_fault_of_the_sink_is_raised_to_the_pusher_not_to_aiohttp() -> None:
-    async with (
-        PacedWorker() as url,
-        make_client(settings_for("http://unused:1")) as client,
-        client.stream("POST", url, content=b"{}") as response,
-    ):
-        pusher = chunk_pusher(response)
-        assert pusher is not None
+async def test_a_fault_of_the_sink_is_raised_to_the_pusher_not_to_the_parser() -> None:
+    client = WireClient(2.0)
+    async with PacedWorker() as port:
+        response = await _response(client, port)
 
         def sink(data: bytes) -> None:
             raise ZeroDivisionError
 
-        with pytest.raises(ZeroDivisionError):
-            await pusher.push(sink)
+        try:
+            with pytest.raises(ZeroDivisionError):
+                await response.push(sink)
+        finally:
+            response.close()
+            client.close()
 
 
 async def test_send_now_finishes_a_send_that_does_not_wait() -> None:
@@ -186,29 +180,3 @@ async def test_a_waiting_send_sees_the_cancellation_of_the_task_finishing_it() -
     with pytest.raises(asyncio.CancelledError):
         await finish
     assert cleaned == ["a"]
-
-
-async def test_data_the_reader_takes_in_while_handing_a_piece_on_is_pushed_too() -> None:
-    # Reading resumes aiohttp's protocol, which may feed what it held at once, while the waiter
-    # is away: that piece is pushed in the same callback, not left until the next one comes.
-    class Protocol:
-        connected = True
-
-        def __init__(self) -> None:
-            self.held = [b"held back"]
-
-        def pause_reading(self) -> None:
-            pass
-
-        def resume_reading(self) -> None:
-            if self.held:
-                reader.feed_data(self.held.pop())
-
-    loop = asyncio.get_running_loop()
-    reader = aiohttp.StreamReader(Protocol(), 2**16, loop=loop)  # type: ignore[arg-type]
-    pieces: list[bytes] = []
-    done: asyncio.Future[Awaitable[None] | None] = loop.create_future()
-    reader._waiter = _PushingWaiter(reader, lambda d: pieces.append(d), done)  # type: ignore[assignment]
-    reader.feed_data(b"first")
-    assert pieces == [b"first", b"held back"]
-    assert not reader._buffer

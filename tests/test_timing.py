@@ -21,6 +21,7 @@ from app.state import STATE_KEY
 from app.timing import RequestTimer
 from tests.fake_upstream import MODEL, FakeWorker, tokens
 from tests.servers import running_gateway, settings_for
+from tests.wire_bridge import bridge
 
 
 class FakeClock:
@@ -147,7 +148,10 @@ async def test_ttft_runs_from_the_first_byte_to_the_event_handed_to_the_socket()
     """Driven as uvicorn drives it, on a fake clock: each write to the client takes 1 s."""
     clock = FakeClock()
     worker = FakeWorker(_stream_3)
-    app = create_app(settings_for(WORKER), transport=worker.transport, clock=clock)
+    app = create_app(
+        settings_for(WORKER), transport=worker.transport, connector=bridge(worker.transport),
+        clock=clock,
+    )  # fmt: skip
     lifespan_in: asyncio.Queue[Message] = asyncio.Queue()
     lifespan_out: asyncio.Queue[Message] = asyncio.Queue()
     state: dict[str, Any] = {}
