@@ -231,9 +231,10 @@ def _child_setup(nofile: int) -> Callable[[], None]:
     def setup() -> None:
         _die_with_parent()
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if nofile > hard:
+        if nofile > soft:
+            # The gateway sizes its connection budget by the soft limit (connection_budget).
             with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, nofile))
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, max(nofile, hard)))
 
     return setup
 
