@@ -39,8 +39,32 @@ class Pools:
         return self.workers[self.turn]
 
 
-class WorkerSide(asyncio.Protocol):
+class _Side(asyncio.Protocol):
+    """One connection whose bytes an httptools parser reads; a malformed message ends it."""
+
+    parser: httptools.HttpRequestParser | httptools.HttpResponseParser
+    transport: asyncio.Transport | None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the transport."""
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        """Parse the bytes; a malformed message ends the connection."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.broken()
+
+    def broken(self) -> None:
+        """The peer sent what is not HTTP/1.1."""
+        raise NotImplementedError
+
+
+class WorkerSide(_Side):
     """One connection to a worker; relays the response of the request it carries."""
+
+    parser: httptools.HttpResponseParser
 
     def __init__(self, pools: Pools, worker: tuple[str, int]) -> None:
         self.pools, self.worker = pools, worker
@@ -49,17 +73,6 @@ class WorkerSide(asyncio.Protocol):
         self.client: ClientSide | None = None
         self.chunk: list[bytes] = []
         self.last = 0.0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Keep the transport."""
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        """Parse the worker's bytes; a malformed response fails the stream."""
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.fail()
 
     def on_headers_complete(self) -> None:
         """Start the client's chunked response with the worker's status."""
@@ -92,6 +105,10 @@ class WorkerSide(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.pools.idle[self.worker].append(self)
 
+    def broken(self) -> None:
+        """A malformed response fails the stream."""
+        self.fail()
+
     def fail(self) -> None:
         """Close this connection and the client's."""
         if self.transport is not None:
@@ -108,7 +125,7 @@ class WorkerSide(asyncio.Protocol):
         self.fail()
 
 
-class ClientSide(asyncio.Protocol):
+class ClientSide(_Side):
     """One client connection; requests on it are relayed one after another."""
 
     def __init__(self, pools: Pools) -> None:
@@ -118,17 +135,6 @@ class ClientSide(asyncio.Protocol):
         self.worker: WorkerSide | None = None
         self.url = b""
         self.body: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Keep the transport."""
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        """Parse the client's bytes; a malformed request closes the connection."""
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.close()
 
     def on_url(self, url: bytes) -> None:
         """Gather the request's target."""
@@ -177,6 +183,10 @@ class ClientSide(asyncio.Protocol):
         """The client's buffer drained: read the worker again."""
         if self.worker is not None and self.worker.transport is not None:
             self.worker.transport.resume_reading()
+
+    def broken(self) -> None:
+        """A malformed request closes the connection."""
+        self.close()
 
     def close(self) -> None:
         """Close the client's connection."""
