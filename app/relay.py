@@ -283,7 +283,7 @@ class Relay(Response):
         except GatewayError:
             return None
 
-    def _first_output(self, lease: Lease, at: float) -> None:
+    def first_output(self, lease: Lease, at: float) -> None:
         """The worker produced its first output (or its whole answer): prefill is over."""
         if not lease.first_output(at):
             return
@@ -302,11 +302,20 @@ class Relay(Response):
         )
         deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
 
-    def _output_gap(self, lease: Lease, gap: float, at: float) -> None:
+    def output_gap(self, lease: Lease, gap: float, at: float) -> None:
         """A later output event came ``gap`` seconds after the previous one, at ``at``."""
         pace = lease.output_gap(gap, at)
         if pace is not None:
             self._deps.admission.limits.paced(lease.worker, pace, at)
+
+    def counted(self, tokens: tuple[int, int] | None) -> None:
+        """The worker's usage told the prompt and completion tokens (None: it told nothing)."""
+        if tokens is not None:
+            self._tokens = tokens
+
+    def worker_erred(self) -> None:
+        """The worker sent an error event in the stream: the request is the worker's failure."""
+        self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
 
     async def _stream_once(self, send: Send, lease: Lease) -> None:
         deps, timer = self._deps, self._timer
@@ -330,7 +339,10 @@ class Relay(Response):
                 Deadline(_earliest(deadline_at, total_at)) as deadline,
                 self._response(lease) as upstream,
             ):
-                stream = _Stream(self, send, lease, deadline, deadline_at, total_at)
+                stream = _Stream(
+                    self, self._request, timer, settings.idle_timeout_s, send, lease, deadline,
+                    deadline_at, total_at,
+                )  # fmt: skip
                 # Each event is relayed in the worker connection's own callback.
                 while (pending := await upstream.push(stream.feed)) is not None:
                     # A send waits while the client does not read (the server's write buffer
@@ -367,11 +379,11 @@ class Relay(Response):
 
     async def _relay(self, send: Send, events: list[bytes], outputs: int) -> None:
         """Send whole events, ``outputs`` of them carrying output, waiting as long as it takes."""
-        pending = self._send_events(send, events, outputs, self._answered)
+        pending = self.send_events(send, events, outputs, self._answered)
         if pending is not None:
             await pending
 
-    def _send_events(
+    def send_events(
         self, send: Send, events: list[bytes], outputs: int, done: bool
     ) -> Awaitable[None] | None:
         """Send whole events now; an awaitable that finishes the send if it must wait.
@@ -440,7 +452,7 @@ class Relay(Response):
                 raise UpstreamInvalidResponse(
                     f"Worker {worker.label} sent a response that is not JSON."
                 ) from exc
-        self._first_output(lease, received)
+        self.first_output(lease, received)
         self._tokens = usage_counts(payload)
         if self._request.endpoint.chunks:
             worker.fingerprint = fingerprint_member(payload)
@@ -555,20 +567,21 @@ class _Stream:
 
     __slots__ = (
         "_clock", "_deadline", "_deadline_at", "_first", "_idle", "_keep_usage", "_kind_of",
-        "_lease", "_loop", "_relay", "_restore", "_send", "_splitter", "_total_at", "_worker",
+        "_lease", "_loop", "_relay", "_restore", "_send", "_splitter", "_timer", "_total_at",
+        "_worker",
         "done", "held", "held_outputs", "last_received", "responses",
     )  # fmt: skip
 
     def __init__(
-        self, relay: Relay, send: Send, lease: Lease, deadline: Deadline, deadline_at: float,
-        total_at: float | None,
+        self, relay: Relay, request: ParsedRequest, timer: RequestTimer, idle_s: float,
+        send: Send, lease: Lease, deadline: Deadline, deadline_at: float, total_at: float | None,
     ) -> None:  # fmt: skip
-        request = relay._request
         self._relay, self._send, self._lease, self._worker = relay, send, lease, lease.worker
         self._deadline, self._deadline_at, self._total_at = deadline, deadline_at, total_at
         self._loop = asyncio.get_running_loop()
-        self._clock = relay._timer.clock
-        self._idle = relay._deps.settings.idle_timeout_s
+        self._timer = timer
+        self._clock = timer.clock
+        self._idle = idle_s
         self._keep_usage = request.wants_usage
         # The worker was asked for a usage chunk the client did not ask for; vLLM then also
         # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
@@ -618,7 +631,7 @@ class _Stream:
                 seen += 1
             elif kind is EventKind.USAGE:
                 payload = event_json(event)
-                relay._tokens = usage_counts(payload) or relay._tokens
+                relay.counted(usage_counts(payload))
                 if restore:
                     worker.fingerprint = fingerprint_member(payload)
                     if held is not None:
@@ -629,9 +642,9 @@ class _Stream:
             elif kind is EventKind.DONE:
                 self.done = True
                 if self.responses:
-                    relay._tokens = usage_counts(event_json(event)) or relay._tokens
+                    relay.counted(usage_counts(event_json(event)))
             elif kind is EventKind.ERROR:
-                relay._status, relay._outcome = 502, Outcome.UPSTREAM_ERROR
+                relay.worker_erred()
                 self.done = self.done or self.responses  # response.failed ends its stream
             if restore and FINISH in event:
                 member = worker.fingerprint
@@ -650,7 +663,7 @@ class _Stream:
             outputs += kind is EventKind.OUTPUT
         self.held = held
         try:
-            pending = relay._send_events(self._send, out, outputs, self.done) if out else None
+            pending = relay.send_events(self._send, out, outputs, self.done) if out else None
         finally:
             # What the outputs teach (the first token's TTFT, the pace) is learnt once they
             # are on their way: the client's first token does not wait for the bookkeeping.
@@ -658,18 +671,18 @@ class _Stream:
                 self._learn(seen, before, received)
         if pending is None and self.last_received is not None:
             self._deadline.move(self.read_deadline())
-        relay._timer.add_overhead(self._clock() - received)
+        self._timer.add_overhead(self._clock() - received)
         return pending
 
     def _learn(self, outputs: int, before: float | None, received: float) -> None:
         """Tell the relay of ``outputs`` output events received together at ``received``."""
         relay, lease = self._relay, self._lease
         if before is None:
-            relay._first_output(lease, received)
+            relay.first_output(lease, received)
         else:
-            relay._output_gap(lease, received - before, received)
+            relay.output_gap(lease, received - before, received)
         for _ in range(outputs - 1):
-            relay._output_gap(lease, 0.0, received)
+            relay.output_gap(lease, 0.0, received)
 
 
 def send_now(send: Send, message: Message) -> Awaitable[None] | None:
@@ -692,19 +705,18 @@ def send_now(send: Send, message: Message) -> Awaitable[None] | None:
 async def _resumed(sending: Coroutine[Any, Any, None], waits_on: Any) -> None:
     """Finish a coroutine that stopped at its first wait, on what it was waiting for.
 
-    What it waited on (an asyncio future, or None for a bare yield) is awaited here; its
-    outcome, or a cancellation of this task, is then delivered to the coroutine as if it had
-    awaited it itself.
+    What it waited on (an asyncio future, or None for a bare yield) is waited for here; the
+    coroutine is then resumed and takes the future's outcome itself, as its own ``await`` does.
+    A cancellation of this task is delivered to the coroutine where it waits.
     """
     while True:
         try:
             if waits_on is None:
                 await asyncio.sleep(0)
             else:
-                # Taken over as a task takes a future its coroutine yields: a future still
-                # marked blocking refuses a second await.
-                waits_on._asyncio_future_blocking = False
-                await waits_on
+                # Not awaited itself: a future the coroutine's await has yielded refuses a
+                # second await. A future of this task's own settles with it.
+                await _settled(waits_on)
         except BaseException as exc:
             try:
                 waits_on = sending.throw(exc)
@@ -715,6 +727,18 @@ async def _resumed(sending: Coroutine[Any, Any, None], waits_on: Any) -> None:
             waits_on = sending.send(None)
         except StopIteration:
             return
+
+
+def _settled(future: asyncio.Future[Any]) -> asyncio.Future[None]:
+    """A new future that completes, with no result, once ``future`` is done (whatever its end)."""
+    done: asyncio.Future[None] = future.get_loop().create_future()
+
+    def settle(_: asyncio.Future[Any]) -> None:
+        if not done.done():
+            done.set_result(None)
+
+    future.add_done_callback(settle)
+    return done
 
 
 async def _chained(first: Awaitable[None], send: Send, message: Message) -> None:

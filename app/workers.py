@@ -105,7 +105,8 @@ class Worker:
         """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
         self.prefixes = PrefixIndex()
         """Prompt prefixes recently routed here (``prefix_aware`` routing)."""
-        self._busy: set[str] = set()
+        self.probing: set[str] = set()
+        """The kinds of probe running against it now (the pool runs one of each at a time)."""
         self._occupancy = 0.0
         self._occupancy_at = 0.0
 
@@ -409,13 +410,13 @@ class WorkerPool:
 
     async def _once(self, worker: Worker, what: str, probe: Callable[[], Awaitable[None]]) -> None:
         # A slow worker must not pile up probes of the same kind.
-        if what in worker._busy:
+        if what in worker.probing:
             return
-        worker._busy.add(what)
+        worker.probing.add(what)
         try:
             await probe()
         finally:
-            worker._busy.discard(what)
+            worker.probing.discard(what)
 
     async def probe_models(self, worker: Worker) -> None:
         """Read ``/v1/models`` from ``worker``."""
