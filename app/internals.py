@@ -1,7 +1,7 @@
 """The libraries' undocumented parts the gateway leans on, checked once at start-up.
 
-A few fast paths and subclasses stand on parts of uvicorn, asyncio and prometheus-client that
-no release promises to keep. ``pyproject.toml`` bounds
+A few subclasses stand on parts of uvicorn and prometheus-client that no release promises to
+keep. ``pyproject.toml`` bounds
 each of those libraries at the newest minor release the suite passed on; this check covers an
 install that bypasses the bounds (a pinned image, ``--no-deps``). Each assumption that does not
 hold in the versions installed is logged as a warning at start-up, naming what is missing and
@@ -46,14 +46,6 @@ def _lacks(target: object, names: tuple[str, ...]) -> list[str]:
     return [name for name in names if not hasattr(target, name)]
 
 
-def _future_blocking(loop: asyncio.AbstractEventLoop) -> list[str]:
-    future = loop.create_future()
-    try:
-        return _lacks(future, ("_asyncio_future_blocking",))
-    finally:
-        future.cancel()
-
-
 async def _no_app(scope: object, receive: object, send: object) -> None:
     """The ASGI app of the throw-away protocol: never called."""
 
@@ -94,11 +86,6 @@ def _metric_children(loop: asyncio.AbstractEventLoop) -> list[str]:
 
 
 ASSUMPTIONS = (
-    Assumption(
-        "asyncio_future_blocking", "asyncio",
-        "a send that must wait is finished by a task of its own",
-        _future_blocking,
-    ),
     Assumption(
         "uvicorn_httptools_protocol", "uvicorn",
         "the header deadline, head limits, connection cap and first-byte time may not apply",

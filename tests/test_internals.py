@@ -24,26 +24,28 @@ async def test_every_assumption_holds_in_the_versions_installed() -> None:
     assert check(asyncio.get_running_loop()) == {a.name: [] for a in ASSUMPTIONS}
 
 
-async def test_a_release_without_a_futures_blocking_flag_is_named_and_costed(
+async def test_a_release_without_a_metric_method_is_named_and_costed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class LaterFuture:
-        """What a release that renamed the flag a task reads on a yielded future would give."""
+    class LaterWrapperBase:
+        """What a release that renamed a labelled metric's methods would give."""
 
-        def cancel(self) -> bool:
-            return True
+        def labels(self) -> None: ...
 
-    loop = asyncio.get_running_loop()
-    monkeypatch.setattr(loop, "create_future", LaterFuture)
+        def remove(self) -> None: ...
+
+        def clear(self) -> None: ...
+
+    monkeypatch.setattr(internals, "MetricWrapperBase", LaterWrapperBase)
     with caplog.at_level(logging.WARNING, logger="app.internals"):
-        found = check(loop)
-    monkeypatch.undo()
-    assert found["asyncio_future_blocking"] == ["_asyncio_future_blocking"]
-    assert all(not missing for name, missing in found.items() if name != "asyncio_future_blocking")
+        found = check(asyncio.get_running_loop())
+    name = "prometheus_metric_children"
+    assert found[name] == ["remove_by_labels", "Counter's base"]
+    assert all(not missing for other, missing in found.items() if other != name)
     [record] = caplog.records
-    assert "asyncio_future_blocking does not hold (asyncio" in record.getMessage()
-    assert "missing _asyncio_future_blocking" in record.getMessage()
-    assert "finished by a task of its own" in record.getMessage()
+    assert f"{name} does not hold (prometheus-client" in record.getMessage()
+    assert "missing remove_by_labels, Counter's base" in record.getMessage()
+    assert "may fail to count" in record.getMessage()
 
 
 async def test_a_check_that_raises_does_not_hold(caplog: pytest.LogCaptureFixture) -> None:
