@@ -45,6 +45,9 @@ from app.wire import (
 )
 from app.workers import Worker
 
+# The control plane's pool: unbounded, and idle connections closed under the 5 s after which
+# vLLM's server closes them, so that a probe never goes out on one it is closing.
+_CONTROL_LIMITS = httpx.Limits(max_connections=None, keepalive_expiry=4.0)
 # Error bodies are read to pass the worker's message on; a runaway one is cut here.
 _MAX_ERROR_BODY = 64 * 1024
 log = logging.getLogger(__name__)
@@ -144,7 +147,7 @@ def make_client(
     per worker) never wait behind each other.
     """
     return _WorkerClient(
-        transport=transport or httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None)),
+        transport=transport or httpx.AsyncHTTPTransport(limits=_CONTROL_LIMITS),
         timeout=httpx.Timeout(
             connect=settings.connect_timeout_s,
             read=None,
