@@ -13,6 +13,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+import uvloop
 
 from app.wire import (
     ConnectFailed,
@@ -213,3 +214,39 @@ async def test_a_large_upload_is_written_as_the_worker_takes_it() -> None:
         assert await response.read() == b"{}"
         response.close()
     client.close()
+
+
+def test_the_client_runs_on_uvloop_as_in_production() -> None:
+    # uvloop's transports are not asyncio.Transport subclasses, and its callbacks run their own
+    # way: the gateway runs there, so the client's reuse, chunking and strictness are seen there.
+    events = [b'data: {"n":%d}\n\n' % i for i in range(3)]
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in (b"%x\r\n%s\r\n" % (len(e), e) for e in events):
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + answer * 2)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def malformed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await reader.read(1)
+
+    async def scenario() -> None:
+        client = WireClient(2.0)
+        async with worker(stream) as (port, accepted):
+            for event in events:
+                response = await client.request("127.0.0.1", port, False, lambda: [REQUEST])
+                pieces: list[bytes] = []
+                assert await response.push(pieces.append) is None
+                response.close()
+                assert pieces == [event, event]  # two chunks in one write, still two
+            assert accepted == [1]
+        async with worker(malformed) as (port, _):
+            with pytest.raises(ProtocolError):
+                await _request(client, port)
+        client.close()
+
+    uvloop.run(scenario())
