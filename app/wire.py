@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Final, cast
@@ -136,6 +135,10 @@ class Response:
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body (at most ``limit`` bytes of it, if given, then what has come)."""
         parts: list[bytes] = []
+        if limit is None:
+            while await self.push(parts.append) is not None:
+                pass
+            return b"".join(parts)
         size = 0
         enough = asyncio.get_running_loop().create_future()
         enough.set_result(None)
@@ -144,9 +147,9 @@ class Response:
             nonlocal size
             parts.append(piece)
             size += len(piece)
-            return enough if limit is not None and size > limit else None
+            return enough if size > limit else None
 
-        while await self.push(take) is not None and (limit is None or size <= limit):
+        while size <= limit and await self.push(take) is not None:
             pass
         return b"".join(parts)
 
@@ -329,7 +332,8 @@ class _Connection(asyncio.Protocol):
         self._chunked = False
         self._chunk.clear()
         self._received = False
-        self._parser = httptools.HttpResponseParser(self)
+        # The parser goes on to the next response on a kept connection (after an error the
+        # connection is closed, never reused).
         for piece in data:
             if self.closed:
                 break
@@ -401,18 +405,18 @@ class _Connection(asyncio.Protocol):
 
 
 class _Pool:
-    """One worker's idle connections, newest last."""
+    """One worker's idle connections, newest last; taking or forgetting one costs O(1)."""
 
     def __init__(self, keepalive_s: float) -> None:
-        self.idle: collections.deque[_Connection] = collections.deque()
+        # A dict as an ordered set: a connection that closes is forgotten without a scan of
+        # thousands of idle ones (their keep-alives end together after a burst).
+        self.idle: dict[_Connection, None] = {}
         self._keepalive_s = keepalive_s
 
     def take(self) -> _Connection | None:
         while self.idle:
-            conn = self.idle.pop()
-            if conn.idle_timer is not None:
-                conn.idle_timer.cancel()
-                conn.idle_timer = None
+            conn, _ = self.idle.popitem()
+            _disarm(conn)
             if not conn.closed:
                 return conn
         return None
@@ -420,18 +424,24 @@ class _Pool:
     def keep(self, conn: _Connection) -> None:
         loop = asyncio.get_running_loop()
         conn.idle_timer = loop.call_later(self._keepalive_s, conn.abort)
-        self.idle.append(conn)
+        self.idle[conn] = None
 
     def forget(self, conn: _Connection) -> None:
-        if conn.idle_timer is not None:
-            conn.idle_timer.cancel()
-            conn.idle_timer = None
-        with contextlib.suppress(ValueError):
-            self.idle.remove(conn)
+        _disarm(conn)
+        self.idle.pop(conn, None)
 
     def close(self) -> None:
         while self.idle:
-            self.idle.pop().abort()
+            conn, _ = self.idle.popitem()
+            _disarm(conn)
+            conn.abort()
+
+
+def _disarm(conn: _Connection) -> None:
+    """Stop an idle connection's keep-alive timer."""
+    if conn.idle_timer is not None:
+        conn.idle_timer.cancel()
+        conn.idle_timer = None
 
 
 class WireClient:
