@@ -20,6 +20,7 @@ from app.admission import AdmissionController
 from app.auth import Authenticator
 from app.discovery import LoopResolver, Resolver
 from app.errors import error_body
+from app.front import HOOKS_KEY, FrontHooks
 from app.goodput import GoodputTracker
 from app.internals import assumptions_held
 from app.limits import Limits
@@ -35,7 +36,13 @@ from app.shared import SharedState
 from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 from app.timing import Clock, default_clock
-from app.trace import RELAYED_PATHS, TraceMiddleware
+from app.trace import (
+    RELAYED_PATHS,
+    TraceMiddleware,
+    endpoint_label,
+    plain_outcome,
+    request_id,
+)
 from app.upstream import UpstreamSlots, connection_budget, make_client, make_wire
 from app.wire import Connector
 from app.workers import WorkerPool
@@ -66,7 +73,7 @@ def create_app(
     drain = shutdown or Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, GatewayState]]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, object]]:
         metrics = GatewayMetrics(settings)
         shared = None
         if settings.redis_url:
@@ -116,7 +123,13 @@ def create_app(
             deps = RelayDeps(
                 settings, wire, pool, router, metrics, admission, recorder, slots, drain
             )
+
+            def refused(rid: str, path: str, status: int, seconds: float) -> None:
+                endpoint = endpoint_label(path)
+                recorder.plain(rid, endpoint, status, plain_outcome(status, endpoint), seconds)
+
             yield {
+                HOOKS_KEY: FrontHooks(clock, request_id, refused),
                 STATE_KEY: GatewayState(
                     settings,
                     client,
@@ -130,7 +143,7 @@ def create_app(
                     recorder,
                     deps,
                     drain,
-                )
+                ),
             }
         finally:
             lag.stop()

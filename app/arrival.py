@@ -3,7 +3,7 @@
 A client's clock starts when it sends. uvicorn calls the ASGI app only once the request's
 headers are parsed and a task was scheduled for it, and under load that task waits its turn on
 the event loop; a timer started in the route handler misses that wait. The gateway's HTTP
-protocol (:class:`app.server.GatewayProtocol`) therefore reads the gateway's clock when
+front end (:class:`app.front.FrontProtocol`) therefore reads the gateway's clock when
 httptools begins to parse a request, in the same callback in which the bytes were read from the
 socket, and leaves it in the request's scope, where :func:`arrival` finds it. What remains
 unseen is how long the bytes lay in the socket before the loop read them: the event loop's lag
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
+from app.front import FIRST_BYTE_KEY
 from app.timing import Clock
 
-FIRST_BYTE_KEY = "gateway.first_byte"
-"""Scope key: the gateway clock's reading when the request's first byte was read."""
+__all__ = ["FIRST_BYTE_KEY", "arrival"]
 
 
 def arrival(request: Request, clock: Clock) -> float:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import prometheus_client
 import uvicorn
 from prometheus_client.metrics import MetricWrapperBase
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
@@ -46,21 +46,14 @@ def _lacks(target: object, names: tuple[str, ...]) -> list[str]:
     return [name for name in names if not hasattr(target, name)]
 
 
-async def _no_app(scope: object, receive: object, send: object) -> None:
-    """The ASGI app of the throw-away protocol: never called."""
-
-
-def _httptools_protocol(loop: asyncio.AbstractEventLoop) -> list[str]:
-    config = uvicorn.Config(_no_app, http="httptools", lifespan="off", log_config=None)
-    config.load()
-    protocol = HttpToolsProtocol(config, ServerState(), {}, loop)
-    attributes = ("limit_concurrency", "app_state", "scope", "connections", "transport", "cycle")
-    hooks = (
-        "on_message_begin", "on_url", "on_header", "on_headers_complete", "on_body",
-        "on_message_complete", "send_400_response", "data_received", "connection_made",
-        "connection_lost", "loop", "headers",
-    )  # fmt: skip
-    return _lacks(protocol, attributes + hooks)
+def _protocol_contract(loop: asyncio.AbstractEventLoop) -> list[str]:
+    """How uvicorn hands a connection to :class:`app.front.FrontProtocol`, and waits for it."""
+    state = _lacks(ServerState(), ("connections", "tasks"))
+    server = [
+        f"Server.startup: {name}"
+        for name in _code_names(uvicorn.Server.startup, ("http_protocol_class", "server_state"))
+    ]
+    return state + server
 
 
 def _multiprocess(loop: asyncio.AbstractEventLoop) -> list[str]:
@@ -74,8 +67,13 @@ def _multiprocess(loop: asyncio.AbstractEventLoop) -> list[str]:
 
 
 def _code_names(function: Callable[..., object], names: tuple[str, ...]) -> list[str]:
-    """Those of ``names`` that ``function``'s own code does not assign or read."""
-    used = set(getattr(function, "__code__").co_names)  # noqa: B009
+    """Those of ``names`` that ``function``'s code (functions nested in it too) does not use."""
+    used: set[str] = set()
+    codes = [getattr(function, "__code__")]  # noqa: B009
+    while codes:
+        code = codes.pop()
+        used.update(code.co_names)
+        codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
     return [name for name in names if name not in used]
 
 
@@ -87,9 +85,9 @@ def _metric_children(loop: asyncio.AbstractEventLoop) -> list[str]:
 
 ASSUMPTIONS = (
     Assumption(
-        "uvicorn_httptools_protocol", "uvicorn",
-        "the header deadline, head limits, connection cap and first-byte time may not apply",
-        _httptools_protocol,
+        "uvicorn_protocol_contract", "uvicorn",
+        "a graceful shutdown may not wait for the requests in flight",
+        _protocol_contract,
     ),
     Assumption(
         "uvicorn_multiprocess", "uvicorn",

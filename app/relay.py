@@ -13,12 +13,13 @@ status code. Once the first event was sent, a failure becomes an in-band
 Streams are relayed event by event as they arrive: no buffering, no merging, no splitting. A
 client that disconnects cancels the worker request at once (the worker sees its connection
 close and aborts the generation). From the worker transport, each piece of the body is relayed
-in the worker connection's own callback, sent with the server's ``send`` run up to its first
-wait (:func:`send_now`): no task wakes up per event, and only a send that must wait for the
-client is left to the request's task.
+in the worker connection's own callback and written to the client's socket there, through the
+front end's :class:`~app.front.ResponseWriter` (ASGI's ``send`` under another server): no task
+wakes up per event, and only a write that must wait for the client is left to the request's
+task.
 
 A client that stops reading is its own problem, never the worker's. Its stream's buffer is
-bounded by the server: uvicorn waits (the send blocks) once its transport holds more than its
+bounded by the front end: a write waits once the client's transport holds more than its
 write high-water mark (64 KiB), beyond what the kernel's socket send buffer holds (see
 ``client_send_buffer_bytes``). A send blocked for ``client_stall_timeout_s`` ends the stream as
 ``client_stalled``: the worker request is cancelled, the slot freed, the connection dropped,
@@ -33,8 +34,7 @@ import contextlib
 import functools
 import json
 import logging
-import types
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ from app.errors import (
     UpstreamTimeout,
     error_body,
 )
+from app.front import AsgiWriter, ResponseWriter
 from app.lease import Lease
 from app.metrics import GatewayMetrics
 from app.outcome import Outcome
@@ -119,6 +120,9 @@ class RequestContext:
     """Tokens charged to the key's per-minute allowance up front (corrected at the end)."""
     abort: Callable[[], None] | None = None
     """Drops the client's connection at once, unflushed (the server's, when it offers one)."""
+    writer: ResponseWriter | None = None
+    """Writes the response to the connection itself; None: through ASGI's ``send`` (a
+    middleware may wrap it)."""
 
 
 class Relay(Response):
@@ -161,14 +165,15 @@ class Relay(Response):
         in_flight = deps.metrics.in_flight.labels(self._model_label, self._tier)
         in_flight.inc()
         try:
+            out = self._ctx.writer or AsgiWriter(send)
             async with asyncio.TaskGroup() as group:
-                relay = self._task = group.create_task(self._serve(send))
+                relay = self._task = group.create_task(self._serve(out))
                 watcher = group.create_task(self._watch(receive, relay))
                 relay.add_done_callback(lambda _: watcher.cancel())
                 deps.shutdown.enter(self)
             if self._cut and not self._ended:
                 await self._fail(
-                    send, GatewayShutdown("The gateway is shutting down; retry elsewhere."), None
+                    out, GatewayShutdown("The gateway is shutting down; retry elsewhere."), None
                 )
         except* OSError:
             # The client vanished while we were writing to it.
@@ -179,7 +184,7 @@ class Relay(Response):
             log.error("request %s failed in the relay", self._request_id, exc_info=group)
             if not self._ended:
                 with contextlib.suppress(OSError):
-                    await self._fail(send, InternalError("The gateway failed this request."), None)
+                    await self._fail(out, InternalError("The gateway failed this request."), None)
             self._outcome = Outcome.INTERNAL_ERROR
         finally:
             deps.shutdown.leave(self)
@@ -206,7 +211,7 @@ class Relay(Response):
     def _client_closed(self) -> None:
         self._status, self._outcome = CLIENT_CLOSED, Outcome.CLIENT_CANCELLED
 
-    async def _serve(self, send: Send) -> None:
+    async def _serve(self, out: ResponseWriter) -> None:
         """Wait for admission, then try workers until one answers.
 
         Fails over only before the client got a byte, so no text is ever duplicated.
@@ -219,7 +224,7 @@ class Relay(Response):
                 choice = deps.router.choose(ticket.model, 0.0, ticket.route)
                 lease = deps.admission.lease(choice, ticket)
         except GatewayError as error:
-            await self._fail(send, error, None)
+            await self._fail(out, error, None)
             return
         self._timer.queued(self._queued_s)
         tried = {lease.worker.label}
@@ -227,11 +232,11 @@ class Relay(Response):
         while True:
             self._lease = lease
             try:
-                await once(send, lease)
+                await once(out, lease)
                 return
             except (UpstreamClientError, GatewaySaturated) as error:
                 # The client's mistake, or the gateway's own limit: never the worker's fault.
-                await self._fail(send, error, None)
+                await self._fail(out, error, None)
                 return
             except ClientStalled as error:
                 self._outcome = error.outcome  # not the worker's fault either
@@ -240,14 +245,14 @@ class Relay(Response):
             except GatewayError as error:
                 deps.pool.report_failure(lease.worker, error.code or "error", lease.dispatched)
                 if self._answered:  # after the whole answer: nothing to fail over
-                    await self._fail(send, error, error.__cause__)
+                    await self._fail(out, error, error.__cause__)
                     return
                 self._timer.attempt_failed()
                 retry = None
                 if not self._started and len(tried) < deps.settings.max_attempts:
                     retry = self._next_choice(frozenset(tried))
                 if retry is None:
-                    await self._fail(send, error, error.__cause__)
+                    await self._fail(out, error, error.__cause__)
                     return
                 log.warning(
                     "request %s failing over from worker %s to %s: %s",
@@ -317,7 +322,7 @@ class Relay(Response):
         """The worker sent an error event in the stream: the request is the worker's failure."""
         self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
 
-    async def _stream_once(self, send: Send, lease: Lease) -> None:
+    async def _stream_once(self, out: ResponseWriter, lease: Lease) -> None:
         deps, timer = self._deps, self._timer
         settings = deps.settings
         loop = asyncio.get_running_loop()
@@ -340,7 +345,7 @@ class Relay(Response):
                 self._response(lease) as upstream,
             ):
                 stream = _Stream(
-                    self, self._request, timer, settings.idle_timeout_s, send, lease, deadline,
+                    self, self._request, timer, settings.idle_timeout_s, out, lease, deadline,
                     deadline_at, total_at,
                 )  # fmt: skip
                 # Each event is relayed in the worker connection's own callback.
@@ -355,13 +360,13 @@ class Relay(Response):
                 sending = True  # the end of the body waits for a client that does not read, too
                 deadline.move(_earliest(loop.time() + stall, total_at))
                 if stream.held:
-                    await self._relay(send, stream.held, stream.held_outputs)
+                    await self._relay(out, stream.held, stream.held_outputs)
                 if not stream.done:
                     raise UpstreamInvalidResponse(
                         f"Worker {lease.worker.label} closed the stream before its end "
                         f"({'response.completed' if stream.responses else '[DONE]'})."
                     )
-                await self._end_body(send, b"")
+                await self._end_body(out, b"")
         except TimeoutError as exc:
             if sending:
                 raise ClientStalled(
@@ -377,27 +382,23 @@ class Relay(Response):
                 f"Worker {lease.worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
 
-    async def _relay(self, send: Send, events: list[bytes], outputs: int) -> None:
+    async def _relay(self, out: ResponseWriter, events: list[bytes], outputs: int) -> None:
         """Send whole events, ``outputs`` of them carrying output, waiting as long as it takes."""
-        pending = self.send_events(send, events, outputs, self._answered)
+        pending = self.send_events(out, events, outputs, self._answered)
         if pending is not None:
             await pending
 
     def send_events(
-        self, send: Send, events: list[bytes], outputs: int, done: bool
+        self, out: ResponseWriter, events: list[bytes], outputs: int, done: bool
     ) -> Awaitable[None] | None:
-        """Send whole events now; an awaitable that finishes the send if it must wait.
+        """Send whole events now, as one chunk; an awaitable that finishes it if it must wait.
 
-        The output events are timed when the send returns, their bytes handed to the socket:
+        The output events are timed when the write returns, their bytes handed to the socket:
         the moment the client can have them, not when the worker's bytes came in.
         """
-        body = events[0] if len(events) == 1 else b"".join(events)
-        message: Message = {"type": "http.response.body", "body": body, "more_body": True}
         if not self._started:
-            pending = send_now(send, self._start_message(200, _SSE_HEADERS))
-            if pending is not None:
-                return self._sent_later(_chained(pending, send, message), outputs, done)
-        pending = send_now(send, message)
+            self._start(out, 200, _SSE_HEADERS)
+        pending = out.write(events[0] if len(events) == 1 else b"".join(events))
         if pending is not None:
             return self._sent_later(pending, outputs, done)
         self._sent(outputs, done)
@@ -423,7 +424,7 @@ class Relay(Response):
             self._request_id,
         )  # fmt: skip
 
-    async def _unary_once(self, send: Send, lease: Lease) -> None:
+    async def _unary_once(self, out: ResponseWriter, lease: Lease) -> None:
         deps, timer = self._deps, self._timer
         worker = lease.worker
         timeout = deps.settings.nonstream_timeout_s
@@ -456,8 +457,8 @@ class Relay(Response):
         self._tokens = usage_counts(payload)
         if self._request.endpoint.chunks:
             worker.fingerprint = fingerprint_member(payload)
-        await self._start(send, status, [(b"content-type", content_type)])
-        await self._end_body(send, raw)
+        self._start(out, status, [(b"content-type", content_type)])
+        await self._end_body(out, raw)
         self._end = timer.clock()  # handed to the socket: when the client can have it
 
     @functools.cached_property
@@ -468,25 +469,23 @@ class Relay(Response):
         tier = self._ctx.identity.tier
         return self._request.upstream_body(self._deps.settings.worker_priority_of(tier))
 
-    async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        await send(self._start_message(status, headers))
-
-    def _start_message(self, status: int, headers: list[tuple[bytes, bytes]]) -> Message:
-        """The response's ``http.response.start``; the response counts as started from here."""
+    def _start(self, out: ResponseWriter, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Give the response's status and headers; the response counts as started from here."""
         self._started = True
         self._status = status
-        return {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
+        out.start(
+            status,
+            [
                 *headers,
                 (b"x-request-id", self._request_id.encode()),
                 (b"x-gateway-tier", self._tier.encode()),
                 (b"x-gateway-queue-ms", b"%.1f" % (self._queued_s * 1000)),
             ],
-        }
+        )
 
-    async def _fail(self, send: Send, error: GatewayError, cause: BaseException | None) -> None:
+    async def _fail(
+        self, out: ResponseWriter, error: GatewayError, cause: BaseException | None
+    ) -> None:
         """Report ``error``: as the response if nothing was sent yet, else in-band.
 
         A client that has the whole answer (its end marker sent) gets only the end of the
@@ -515,9 +514,8 @@ class Relay(Response):
                 (b"content-type", b"application/json"),
                 *((k.encode(), v.encode()) for k, v in error.headers().items()),
             ]
-            await self._start(send, error.status_code, headers)
-            self._status = error.status_code
-            await self._end_body(send, body)
+            self._start(out, error.status_code, headers)
+            await self._end_body(out, body)
             return
         if not self._answered:
             self._status = error.status_code
@@ -526,14 +524,16 @@ class Relay(Response):
         event = b"" if self._answered else b"data: " + error.to_json() + b"\n\n"
         try:
             async with asyncio.timeout(self._deps.settings.client_stall_timeout_s):
-                await self._end_body(send, event)
+                await self._end_body(out, event)
         except TimeoutError:
             self._drop_client()
 
-    async def _end_body(self, send: Send, body: bytes) -> None:
+    async def _end_body(self, out: ResponseWriter, body: bytes) -> None:
         """Send the last part of the body: the response is complete after this."""
         self._ended = True
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        pending = out.end(body)
+        if pending is not None:
+            await pending
 
     def _finish(self) -> None:
         ctx, timer, tokens = self._ctx, self._timer, self._tokens
@@ -567,16 +567,17 @@ class _Stream:
 
     __slots__ = (
         "_clock", "_deadline", "_deadline_at", "_first", "_idle", "_keep_usage", "_kind_of",
-        "_lease", "_loop", "_relay", "_restore", "_send", "_splitter", "_timer", "_total_at",
+        "_lease", "_loop", "_out", "_relay", "_restore", "_splitter", "_timer", "_total_at",
         "_worker",
         "done", "held", "held_outputs", "last_received", "responses",
     )  # fmt: skip
 
     def __init__(
         self, relay: Relay, request: ParsedRequest, timer: RequestTimer, idle_s: float,
-        send: Send, lease: Lease, deadline: Deadline, deadline_at: float, total_at: float | None,
+        out: ResponseWriter, lease: Lease, deadline: Deadline, deadline_at: float,
+        total_at: float | None,
     ) -> None:  # fmt: skip
-        self._relay, self._send, self._lease, self._worker = relay, send, lease, lease.worker
+        self._relay, self._out, self._lease, self._worker = relay, out, lease, lease.worker
         self._deadline, self._deadline_at, self._total_at = deadline, deadline_at, total_at
         self._loop = asyncio.get_running_loop()
         self._timer = timer
@@ -663,7 +664,7 @@ class _Stream:
             outputs += kind is EventKind.OUTPUT
         self.held = held
         try:
-            pending = relay.send_events(self._send, out, outputs, self.done) if out else None
+            pending = relay.send_events(self._out, out, outputs, self.done) if out else None
         finally:
             # What the outputs teach (the first token's TTFT, the pace) is learnt once they
             # are on their way: the client's first token does not wait for the bookkeeping.
@@ -683,67 +684,6 @@ class _Stream:
             relay.output_gap(lease, received - before, received)
         for _ in range(outputs - 1):
             relay.output_gap(lease, 0.0, received)
-
-
-def send_now(send: Send, message: Message) -> Awaitable[None] | None:
-    """Run ``send(message)`` up to its first wait: None if it finished, else what finishes it.
-
-    A server's send returns without waiting unless the client's connection holds writes back
-    (uvicorn: its write buffer over the high-water mark), so the relay can send from a network
-    callback, outside any task; the rare send that must wait is finished by the relay's task.
-    """
-    sending = send(message)
-    if type(sending) is not types.CoroutineType:  # an ABC's isinstance costs more than a send
-        return sending
-    try:
-        waits_on = sending.send(None)
-    except StopIteration:
-        return None
-    return _resumed(sending, waits_on)
-
-
-async def _resumed(sending: Coroutine[Any, Any, None], waits_on: Any) -> None:
-    """Finish a coroutine that stopped at its first wait, on what it was waiting for.
-
-    What it waited on (an asyncio future, or None for a bare yield) is waited for here; the
-    coroutine is then resumed and takes the future's outcome itself, as its own ``await`` does.
-    A cancellation of this task is delivered to the coroutine where it waits.
-    """
-    while True:
-        try:
-            if waits_on is None:
-                await asyncio.sleep(0)
-            else:
-                # Not awaited itself: a future the coroutine's await has yielded refuses a
-                # second await. A future of this task's own settles with it.
-                await _settled(waits_on)
-        except BaseException as exc:
-            try:
-                waits_on = sending.throw(exc)
-            except StopIteration:
-                return
-            continue
-        try:
-            waits_on = sending.send(None)
-        except StopIteration:
-            return
-
-
-def _settled(future: asyncio.Future[Any]) -> asyncio.Future[None]:
-    """A new future that completes, with no result, once ``future`` is done (whatever its end)."""
-    done: asyncio.Future[None] = future.get_loop().create_future()
-
-    def settle(_: asyncio.Future[Any]) -> None:
-        if not done.done():
-            done.set_result(None)
-
-    future.add_done_callback(settle)
-    return done
-
-
-async def _chained(first: Awaitable[None], send: Send, message: Message) -> None:
-    await first
-    await send(message)
 
 
 def _restored(held: list[bytes], member: bytes) -> list[bytes]:

@@ -20,6 +20,7 @@ from app.admission import Ticket
 from app.arrival import arrival
 from app.body import read_body, read_form
 from app.errors import GatewayError
+from app.front import ABORT_KEY, WRITER_KEY, ResponseWriter
 from app.protocol import (
     ENDPOINT_PATHS,
     Cost,
@@ -33,7 +34,7 @@ from app.record import RequestEnd
 from app.relay import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
 from app.timing import RequestTimer
-from app.trace import ABORT_KEY, request_trace
+from app.trace import request_trace
 from app.upstream import worker_get
 
 # Handlers read the state with get_state rather than through Depends: FastAPI's dependency
@@ -59,14 +60,20 @@ async def relay_direct(scope: Scope, receive: Receive, send: Send) -> None:
 
     :class:`app.app.GatewayApp` calls it, behind the trace alone, in place of the application
     for those paths: the same handler, without FastAPI's middleware stack, the walk of the route
-    table, FastAPI's request handler and the wrappers of ``send`` every streamed event passed.
+    table and FastAPI's request handler; with no wrapper of ``send`` in the way, the relay
+    writes to the front end's :class:`~app.front.ResponseWriter` when the server offers one.
     """
     request = Request(scope, receive)
-    response = await _relay(request, get_state(request), ENDPOINT_PATHS[scope["path"]])
+    # Nothing wraps ``send`` on this path, so the relay may write to the connection itself.
+    writer = scope.get(WRITER_KEY)
+    endpoint = ENDPOINT_PATHS[scope["path"]]
+    response = await _relay(request, get_state(request), endpoint, writer)
     await response(scope, receive, send)
 
 
-async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> Response:
+async def _relay(
+    request: Request, state: GatewayState, endpoint: Endpoint, writer: ResponseWriter | None = None
+) -> Response:
     timer = RequestTimer(state.clock, arrival(request, state.clock))
     trace = request_trace(request.scope)
     request_id = trace.request_id
@@ -114,7 +121,7 @@ async def _relay(request: Request, state: GatewayState, endpoint: Endpoint) -> R
     )
     scope = request.scope
     ctx = RequestContext(
-        parsed, timer, request_id, identity, ticket, charged, scope.get(ABORT_KEY)
+        parsed, timer, request_id, identity, ticket, charged, scope.get(ABORT_KEY), writer
     )  # fmt: skip
     trace.recorded = True  # the relay records it, however it ends
     return Relay(state.relay_deps, ctx)

@@ -11,7 +11,8 @@ untouched: nothing is added per streamed event. Every other response is recorded
 with the status actually sent: other routes (CORS preflights included), unknown paths,
 404/405, a request on a connection over the server's cap (answered here), and a 500 raised
 before a relayed request reached its route's recording. Refusals made before a request has a
-scope (431, 408 on its headers) are recorded by :mod:`app.server`.
+scope (431, 408 on its headers, 400 for a malformed request) are recorded through
+:class:`app.front.FrontHooks`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import GatewayError, GatewaySaturated, InternalError
+from app.front import OVER_CAPACITY_KEY
 from app.outcome import Outcome
 from app.protocol import ENDPOINT_PATHS
 from app.state import STATE_KEY, GatewayState
@@ -33,10 +35,6 @@ log = logging.getLogger(__name__)
 
 TRACE_KEY = "gateway.trace"
 """Scope key of the request's :class:`RequestTrace`."""
-ABORT_KEY = "gateway.abort"
-"""Scope key of a callable that drops the connection at once (set by :mod:`app.server`)."""
-OVER_CAPACITY_KEY = "gateway.over_capacity"
-"""Scope key set by :mod:`app.server` when the request's connection is beyond the cap."""
 CLIENT_CONNECTIONS = "client_connections"
 """The ``resource`` of ``gateway_saturated_total`` for the server's connection cap."""
 

@@ -2,7 +2,7 @@
 
 The relay's client pushes each chunk of a body to the relay as its parser reads it
 (:meth:`app.wire.Response.push`), and the relay sends it with the server's ``send`` run up to
-its first wait (:func:`app.relay.send_now`). These tests hold both to what a task-driven read
+its first wait (:func:`app.front.send_now`). These tests hold both to what a task-driven read
 and an awaited send would have done: the same pieces in the same order, errors raised as the
 client's, a send that must wait finished later, a cancellation delivered.
 """
@@ -16,7 +16,7 @@ from collections.abc import Awaitable
 import pytest
 from starlette.types import Message
 
-from app.relay import send_now
+from app.front import send_now
 from app.wire import ConnectionClosed, Response, WireClient
 
 EVENTS = [b'data: {"n":%d}\n\n' % i for i in range(6)]
