@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -29,7 +30,7 @@ from app.metrics import GatewayMetrics
 from app.predictor import PromptSizer
 from app.record import Recorder
 from app.relay import RelayDeps
-from app.routes import relay_direct, router
+from app.routes import relay_handler, router
 from app.routing import Router
 from app.settings import Settings
 from app.shared import SharedState
@@ -166,51 +167,48 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(router)
+    relayed = relay_handler(writes=not settings.cors_origins)  # CORS wraps ``send``
     if settings.cors_origins:
-        # Inside the trace (added before it): a preflight it answers still gets an id and a
-        # log line. Bearer keys, not cookies: no credentials.
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST"],
-            allow_headers=["*"],
-            expose_headers=CORS_EXPOSED_HEADERS,
-            max_age=600,
-        )
+        # Inside the trace: a preflight it answers still gets an id and a log line. Bearer
+        # keys, not cookies: no credentials.
+        cors: dict[str, Any] = {
+            "allow_origins": settings.cors_origins,
+            "allow_methods": ["GET", "POST"],
+            "allow_headers": ["*"],
+            "expose_headers": CORS_EXPOSED_HEADERS,
+            "max_age": 600,
+        }
+        app.add_middleware(CORSMiddleware, **cors)
+        relayed = CORSMiddleware(relayed, **cors)
     app.add_middleware(TraceMiddleware)
-    if not settings.cors_origins:  # CORS must see every request, relayed ones too
-        app.relay_directly(relay_direct)
+    app.relay_with(TraceMiddleware(relayed))
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app
 
 
 class GatewayApp(FastAPI):
-    """FastAPI, with the requests it relays by model sent straight to their handler.
+    """FastAPI, with the paths it relays by model served by their own handler.
 
-    A POST to a relayed path (:data:`app.protocol.ENDPOINT_PATHS`) goes to the trace and from
-    it to the relay: not through FastAPI's and Starlette's middleware stack (telemetry, body
-    limit, error middleware), the route table or FastAPI's request handler, which add work to
-    every request and wrappers to every streamed event's ``send``. Every other request takes
-    the whole stack, with the same trace inside it.
+    Every request to a relayed path (:data:`app.protocol.ENDPOINT_PATHS`) goes to the trace
+    and from it to the relay's handler (:func:`app.routes.relay_handler`): not through
+    FastAPI's and Starlette's middleware stack (telemetry, body limit, error middleware), the
+    route table or FastAPI's request handler, which add work to every request and wrappers to
+    every streamed event's ``send``. Every other request takes the whole stack, with the same
+    trace inside it.
     """
 
-    _direct: ASGIApp | None = None
+    _relayed: ASGIApp | None = None
 
-    def relay_directly(self, handler: ASGIApp) -> None:
-        """Serve relayed POSTs with ``handler``, behind the trace alone."""
-        self._direct = TraceMiddleware(handler)
+    def relay_with(self, handler: ASGIApp) -> None:
+        """Serve every request to a relayed path with ``handler``."""
+        self._relayed = handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one ASGI connection scope."""
-        direct = self._direct
-        if (
-            direct is not None
-            and scope["type"] == "http"
-            and scope["method"] == "POST"
-            and scope["path"] in RELAYED_PATHS
-        ):
-            await direct(scope, receive, send)
+        relayed = self._relayed
+        if relayed is not None and scope["type"] == "http" and scope["path"] in RELAYED_PATHS:
+            await relayed(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
 

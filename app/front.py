@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Protocol, cast
 from urllib.parse import unquote
 
 import httptools
-from starlette.types import ASGIApp, Message, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_body
 
@@ -142,18 +142,41 @@ class ResponseWriter(Protocol):
     def end(self, data: bytes) -> Awaitable[None] | None:
         """Write the body's last part: the response is complete."""
 
+    def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
+        """Call ``gone`` when the client disconnects before the response is complete.
+
+        Called soon if it did already. Returns what stops watching.
+        """
+
 
 class AsgiWriter:
     """A :class:`ResponseWriter` over ASGI's ``send``, for a server that offers no writer.
 
-    Each part is one ``http.response.body`` message, sent with :func:`send_now`.
+    Each part is one ``http.response.body`` message, sent with :func:`send_now`; a task
+    waits on ``receive`` for the disconnect.
     """
 
-    __slots__ = ("_send", "_start")
+    __slots__ = ("_receive", "_send", "_start")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, receive: Receive) -> None:
         self._send = send
+        self._receive = receive
         self._start: Message | None = None
+
+    def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
+        """Call ``gone`` once ``receive`` says the client disconnected."""
+
+        async def wait() -> None:
+            while (await self._receive())["type"] != "http.disconnect":
+                pass
+            gone()
+
+        task = asyncio.get_running_loop().create_task(wait())
+
+        def stop() -> None:
+            task.cancel()
+
+        return stop
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Keep the start message for the first body part."""
@@ -248,7 +271,7 @@ class Exchange:
     """
 
     __slots__ = (
-        "_chunked", "_conn", "_continue", "_event", "_head", "_left", "_no_body", "body",
+        "_chunked", "_conn", "_continue", "_event", "_gone", "_head", "_left", "_no_body", "body",
         "complete", "disconnected", "keep_alive", "more_body", "scope", "started",
     )  # fmt: skip
 
@@ -270,6 +293,7 @@ class Exchange:
         self._chunked: bool | None = None
         self._left = 0
         self._no_body = scope["method"] == "HEAD"
+        self._gone: Callable[[], None] | None = None
 
     # The request side.
 
@@ -461,10 +485,24 @@ class Exchange:
         if pending is not None:
             await pending
 
+    def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
+        """Call ``gone`` if the connection is lost before the response is complete."""
+        if self.disconnected:
+            self._conn.loop.call_soon(gone)
+        else:
+            self._gone = gone
+        return self._unwatch
+
+    def _unwatch(self) -> None:
+        self._gone = None
+
     def gone(self) -> None:
         """The connection was lost: nothing more is written; ``receive`` says so."""
         if not self.complete:
             self.disconnected = True
+            watcher, self._gone = self._gone, None
+            if watcher is not None:
+                watcher()
         self._event.set()
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from app.admission import AdmissionController, Ticket
 from app.auth import Identity
@@ -125,12 +125,10 @@ class RequestContext:
     middleware may wrap it)."""
 
 
-class Relay(Response):
-    """The ASGI response that serves one relayed request end to end."""
+class Relay:
+    """The ASGI app that serves one relayed request end to end, its response included."""
 
     def __init__(self, deps: RelayDeps, ctx: RequestContext) -> None:
-        # Response.__init__ is not called: this response writes its own status and headers.
-        self.background = None
         self._deps = deps
         self._ctx = ctx
         self._request = ctx.request
@@ -145,7 +143,11 @@ class Relay(Response):
         self._end: float | None = None
         self._lease: Lease | None = None
         self._queued_s = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._serving = False
+        self._stopped = False
+        """This relay cancelled its task (``_cancelling`` other cancellations were pending)."""
+        self._cancelling = 0
         self._cut = False
         self._ended = False
         # The stream's end marker ([DONE], or the Responses API's last event) reached the
@@ -157,56 +159,68 @@ class Relay(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request, cancelling the worker request if the client disconnects.
 
-        The request and the disconnect watcher run in one task group: however the request
-        ends (done, client gone, server cancelling it), both are finished and its lease is
-        released before the end is recorded.
+        The request is served in the caller's task. The client's disconnect and the shutdown's
+        cut cancel it while it is being served (:meth:`_stop`), and only then; the cancellation
+        is taken back once the serving has unwound, so the end is still answered, released and
+        recorded. A cancellation from anyone else (the server giving up) goes on as it came.
         """
         deps = self._deps
         in_flight = deps.metrics.in_flight.labels(self._model_label, self._tier)
         in_flight.inc()
+        task = self._task = asyncio.current_task()
+        out = self._ctx.writer or AsgiWriter(send, receive)
+        unwatch = None
         try:
-            out = self._ctx.writer or AsgiWriter(send)
-            async with asyncio.TaskGroup() as group:
-                relay = self._task = group.create_task(self._serve(out))
-                watcher = group.create_task(self._watch(receive, relay))
-                relay.add_done_callback(lambda _: watcher.cancel())
+            self._serving = True
+            try:
+                unwatch = out.watch(self._client_gone)
                 deps.shutdown.enter(self)
+                await self._serve(out)
+            except asyncio.CancelledError:
+                if not self._stopped or task is None or task.uncancel() > self._cancelling:
+                    raise
+            finally:
+                self._serving = False
             if self._cut and not self._ended:
                 await self._fail(
                     out, GatewayShutdown("The gateway is shutting down; retry elsewhere."), None
                 )
-        except* OSError:
+        except OSError:
             # The client vanished while we were writing to it.
             self._client_closed()
-        except* Exception as group:
+        except Exception as error:
             # A fault in the gateway's own code: a 500 (in-band once started), logged and
             # counted as what it is, never as the status the relay had hoped to send.
-            log.error("request %s failed in the relay", self._request_id, exc_info=group)
+            log.error("request %s failed in the relay", self._request_id, exc_info=error)
             if not self._ended:
                 with contextlib.suppress(OSError):
                     await self._fail(out, InternalError("The gateway failed this request."), None)
             self._outcome = Outcome.INTERNAL_ERROR
         finally:
+            if unwatch is not None:
+                unwatch()
             deps.shutdown.leave(self)
             in_flight.dec()
             self._finish()
 
     def cut(self) -> None:
         """The shutdown's grace period is over: stop, and tell the client (in-band if started)."""
-        task = self._task
-        if task is not None and not task.done() and not self._cut:
+        if self._serving and not self._cut:
             self._cut = True
-            task.cancel()
+            self._stop()
 
-    async def _watch(self, receive: Receive, relay: asyncio.Task[None]) -> None:
-        """Wait for the client to disconnect; then stop the request."""
-        while True:
-            message: Message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-        if not relay.done() and not self._cut:
+    def _client_gone(self) -> None:
+        """The client disconnected: stop serving it (the worker's request is cancelled)."""
+        if self._serving and not self._cut:
             self._client_closed()
-            relay.cancel()
+            self._stop()
+
+    def _stop(self) -> None:
+        task = self._task
+        if task is not None and not task.done() and not self._stopped:
+            self._stopped = True
+            self._cancelling = task.cancelling()
+            task.cancel()
 
     def _client_closed(self) -> None:
         self._status, self._outcome = CLIENT_CLOSED, Outcome.CLIENT_CANCELLED

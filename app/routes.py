@@ -7,19 +7,18 @@ score, rerank, pooling, tokenizer, transcriptions, with vLLM's aliases) is one h
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.admission import Ticket
 from app.arrival import arrival
 from app.body import read_body, read_form
-from app.errors import GatewayError
+from app.errors import GatewayError, error_body
 from app.front import ABORT_KEY, WRITER_KEY, ResponseWriter
 from app.protocol import (
     ENDPOINT_PATHS,
@@ -42,38 +41,36 @@ from app.upstream import worker_get
 router = APIRouter()
 
 
-def _relayed(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
-    async def relay(request: Request) -> Response:
-        return await _relay(request, get_state(request), endpoint)
+def relay_handler(writes: bool) -> ASGIApp:
+    """The ASGI app of every relayed path (:data:`app.protocol.ENDPOINT_PATHS`).
 
-    relay.__name__ = f"relay_{endpoint.value}"
-    relay.__doc__ = f"Relay a {endpoint.value} request to a worker serving its model."
-    return relay
-
-
-for _path, _endpoint in ENDPOINT_PATHS.items():
-    router.add_api_route(_path, _relayed(_endpoint), methods=["POST"], response_model=None)
-
-
-async def relay_direct(scope: Scope, receive: Receive, send: Send) -> None:
-    """Serve a POST to a relayed path (:data:`app.protocol.ENDPOINT_PATHS`) as the route would.
-
-    :class:`app.app.GatewayApp` calls it, behind the trace alone, in place of the application
-    for those paths: the same handler, without FastAPI's middleware stack, the walk of the route
-    table and FastAPI's request handler; with no wrapper of ``send`` in the way, the relay
-    writes to the front end's :class:`~app.front.ResponseWriter` when the server offers one.
+    :class:`app.app.GatewayApp` calls it, behind the trace (and CORS, when configured), in
+    place of FastAPI for those paths: a POST is relayed, any other method is answered 405.
+    With ``writes``, nothing wraps ``send`` on the way, and the relay writes to the front
+    end's :class:`~app.front.ResponseWriter` when the server offers one.
     """
-    request = Request(scope, receive)
-    # Nothing wraps ``send`` on this path, so the relay may write to the connection itself.
-    writer = scope.get(WRITER_KEY)
-    endpoint = ENDPOINT_PATHS[scope["path"]]
-    response = await _relay(request, get_state(request), endpoint, writer)
-    await response(scope, receive, send)
+
+    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await _not_allowed(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        writer = scope.get(WRITER_KEY) if writes else None
+        endpoint = ENDPOINT_PATHS[scope["path"]]
+        response = await _relay(request, get_state(request), endpoint, writer)
+        await response(scope, receive, send)
+
+    return handle
+
+
+async def _not_allowed(scope: Scope, receive: Receive, send: Send) -> None:
+    body = error_body("Method Not Allowed", "invalid_request_error", None, "method_not_allowed")
+    await JSONResponse(body, status_code=405, headers={"allow": "POST"})(scope, receive, send)
 
 
 async def _relay(
-    request: Request, state: GatewayState, endpoint: Endpoint, writer: ResponseWriter | None = None
-) -> Response:
+    request: Request, state: GatewayState, endpoint: Endpoint, writer: ResponseWriter | None
+) -> ASGIApp:
     timer = RequestTimer(state.clock, arrival(request, state.clock))
     trace = request_trace(request.scope)
     request_id = trace.request_id

@@ -358,7 +358,10 @@ async def test_the_asgi_writer_sends_messages_with_the_start_before_the_first_pa
     async def send(message: Any) -> None:
         sent.append(message)
 
-    writer = AsgiWriter(send)
+    async def receive() -> Any:
+        return {"type": "http.disconnect"}
+
+    writer = AsgiWriter(send, receive)
     writer.start(201, [(b"a", b"b")])
     assert writer.write(b"x") is None
     assert writer.end(b"") is None
@@ -414,3 +417,48 @@ async def test_pipelined_requests_are_answered_in_order_by_the_running_gateway()
     assert [b"x-request-id: " + rid in head for rid, head in zip(
         (b"one", b"two", b"three"), heads, strict=True
     )] == [True, True, True]  # fmt: skip
+
+
+async def test_a_watcher_hears_of_a_disconnect_before_the_answer_is_complete_only() -> None:
+    heard: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        writer = scope[WRITER_KEY]
+        writer.watch(lambda: heard.append(scope["path"]))
+        if scope["path"] == "/done":
+            writer.start(200, [])
+            writer.end(b"ok")
+        await asyncio.sleep(1)
+
+    protocol, _ = connect(app)
+    protocol.data_received(b"GET /done HTTP/1.1\r\nhost: x\r\n\r\n")
+    await settle()
+    protocol.connection_lost(None)  # after the answer: nothing to hear
+    protocol, _ = connect(app)
+    protocol.data_received(b"GET /open HTTP/1.1\r\nhost: x\r\n\r\n")
+    await settle()
+    protocol.connection_lost(None)
+    await settle()
+    assert heard == ["/open"]
+
+
+async def test_the_asgi_writer_watches_receive_for_the_disconnect() -> None:
+    messages = asyncio.Queue[dict[str, Any]]()
+    heard: list[bool] = []
+
+    async def send(message: Any) -> None:
+        pass
+
+    writer = AsgiWriter(send, messages.get)
+    writer.watch(lambda: heard.append(True))
+    messages.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+    await settle()
+    assert heard == []
+    messages.put_nowait({"type": "http.disconnect"})
+    await settle()
+    assert heard == [True]
+    stop = writer.watch(lambda: heard.append(False))
+    stop()
+    messages.put_nowait({"type": "http.disconnect"})
+    await settle()
+    assert heard == [True]
