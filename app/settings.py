@@ -249,7 +249,7 @@ class Settings(BaseSettings):
         default=131072,
         ge=0,
         description="Kernel send buffer of each client connection (SO_SNDBUF; Linux doubles "
-        "it). With uvicorn's 64 KiB write buffer it bounds what a client that stops reading "
+        "it). With the front end's 64 KiB write buffer it bounds what a client that stops reading "
         "holds, and how soon its stall is seen. 0: the kernel's autotuning (up to "
         "net.ipv4.tcp_wmem's maximum, often 4 MiB).",
     )
