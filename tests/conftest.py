@@ -59,6 +59,25 @@ def vllm_pooling_url(request: pytest.FixtureRequest) -> Iterator[str]:
 _WORKER_FIXTURES = frozenset({"vllm_worker_url", "vllm_pooling_url"})
 
 
+class FakeClock:
+    """A clock that moves only when the test moves it: the gateway's ``Clock`` (float seconds).
+
+    Read or set :attr:`now` directly; :meth:`advance` moves it on. ``start`` is arbitrary but
+    never 0, so that a time mistaken for a duration (or the reverse) shows in a test.
+    """
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        """Move the clock on by ``seconds``; returns the new time."""
+        self.now += seconds
+        return self.now
+
+
 @pytest.fixture
 async def sdk(gateway_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
     """The OpenAI SDK pointed at the module's ``gateway_url``; no retries, so errors surface

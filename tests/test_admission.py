@@ -33,16 +33,9 @@ from app.routing import NO_KEY, Choice, Router
 from app.settings import Settings, TierSpec, WorkerSpec
 from app.timing import TimingSummary
 from app.workers import Worker, WorkerPool
+from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class NoDns:
@@ -139,7 +132,7 @@ async def test_idle_worker_admits_at_once_and_the_cap_follows_measured_latency()
     admission.limits.first_token(worker, 0.2, 2, clock.now)
     admission.limits.first_token(worker, 0.2, 3, clock.now)
     assert admission.limits.prefill_cap(worker) == 4
-    clock.now += 1.0
+    clock.advance(1.0)
     admission.limits.first_token(worker, 0.45, 4, clock.now)
     assert admission.limits.prefill_cap(worker) == 4
     admission.limits.first_token(worker, 0.6, 4, clock.now)
@@ -234,13 +227,13 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     # A surge (9 more in the last instant) is seen at once: 18/s x 4 s = 72 expected, more
     # than the worker has; a lower tier only gets the last slot of an otherwise empty worker.
     _arrive(admission, [(clock.now, interactive.priority) for _ in range(9)])
-    clock.now += 0.01
+    clock.advance(0.01)
     worker.in_flight = 0
     assert not admission.room.full(worker, batch)
     worker.in_flight = 1
     assert admission.room.full(worker, batch)
     # Ten quiet seconds later nothing is kept any more.
-    clock.now += 10.5
+    clock.advance(10.5)
     worker.in_flight = 19
     assert not admission.room.full(worker, batch)
 
@@ -287,7 +280,7 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     assert limits.proven_cap(worker, at_aim=True) == 32
     ticket = _ticket(settings, clock, "batch")
     _arrive(admission, [(clock.now + k / 6, interactive.priority) for k in range(18)])
-    clock.now += 3.0
+    clock.advance(3.0)
     assert 20 <= admission.demand.expected_total(clock.now) < 32
     worker.in_flight = 15
     assert admission._try(ticket, clock.now) is not None
@@ -357,13 +350,13 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     # Three within 0.2 s: under the old rule the last half second said 6/s (24 slots); at 1/s
     # three in half a second is chance, and still nothing is held back.
     _arrive(admission, [(clock.now + 0.1 * k, interactive.priority) for k in range(3)])
-    clock.now += 0.21
+    clock.advance(0.21)
     assert admission.demand.expected_total(clock.now) < 20
     assert admission._try(batch, clock.now) is not None
     # A surge: 36 more in the next second, more slots expected than the worker runs. Now the
     # slots are kept, and batch waits while interactive gets in.
     _arrive(admission, [(clock.now + k / 36, interactive.priority) for k in range(36)])
-    clock.now += 1.0
+    clock.advance(1.0)
     assert admission._try(batch, clock.now) is None
     assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
 
@@ -387,7 +380,7 @@ def test_slots_stay_kept_while_a_higher_tier_is_expected_not_only_after_a_refusa
     assert admission.room.full(worker, batch)
     # A refusal 10 s ago changes nothing either way, while the arrivals go on.
     admission.demand.short(interactive.priority, clock.now)
-    clock.now += 10.5
+    clock.advance(10.5)
     _arrive(admission, [(clock.now - 9.75 + t / 2, interactive.priority) for t in range(20)])
     assert admission.demand.kept_for_higher(batch, 1, 0, clock.now) == 8  # 2/s over 10 s
     worker.in_flight = 11
@@ -395,7 +388,7 @@ def test_slots_stay_kept_while_a_higher_tier_is_expected_not_only_after_a_refusa
     worker.in_flight = 12
     assert admission.room.full(worker, batch)
     # Once interactive stops arriving, nothing is kept.
-    clock.now += 10.5
+    clock.advance(10.5)
     worker.in_flight = 19
     assert not admission.room.full(worker, batch)
 
@@ -455,7 +448,7 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     assert admission._try(batch, clock.now) is not None
     # Twice the arrivals: 23 slots as measured, more than the worker runs. Now batch leaves
     # the slots the tiers above are expected to need, sized at the aim.
-    clock.now += 10.0
+    clock.advance(10.0)
     arrive(4)
     admission.demand.short(top, clock.now)
     # Watched for all of the last 10 s (its first arrival came 9.75 s ago): 40 in 10 s.
@@ -623,7 +616,7 @@ def test_a_surge_is_read_from_the_shortest_span_where_it_cannot_be_chance() -> N
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(10 / 9.5 * 4)
     # Three more within 0.2 s: at about 1/s, three in half a second happen by chance (fewer
     # than 4 standard deviations above the half arrival expected); the rate stays the window's.
-    clock.now += 0.3
+    clock.advance(0.3)
     _arrive(admission, [(clock.now - 0.3 + 0.1 * i, top) for i in range(3)])
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(13 / 9.8 * 4)
     # Three more: six in the last half second cannot be chance: 12/s, 48 slots at once (the
@@ -631,7 +624,7 @@ def test_a_surge_is_read_from_the_shortest_span_where_it_cannot_be_chance() -> N
     _arrive(admission, [(clock.now, top) for _ in range(3)])
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(6 / 0.5 * 4)
     # A second later the last second is empty and 7 in the last 2 s are no surge at 1.5/s.
-    clock.now += 1.0
+    clock.advance(1.0)
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(15 / 9.8 * 4)
 
 
@@ -648,7 +641,7 @@ def test_after_a_quiet_spell_a_few_arrivals_are_read_over_the_time_watched() -> 
     assert admission._reserving(4, clock.now)
     # After twenty quiet seconds the same pair is two arrivals in the 10 s watched, not a
     # rate of one a second each: 1.2 slots expected of 4, nothing kept back.
-    clock.now += 20.0
+    clock.advance(20.0)
     _arrive(admission, [(clock.now + offset, p) for p, offset in pair])
     rates = admission.demand.arrival_rates(clock.now)
     assert rates == {top: pytest.approx(0.1), middle: pytest.approx(0.1)}
@@ -673,7 +666,7 @@ def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -
     # second, against 27 in the 8.9 s before it (3/s): 12/s, of which the top tier's part is
     # its share of the 10-s window's arrivals, 12 of 39: 12 x 12 / 39 per second, each
     # holding 4 s.
-    clock.now += 0.3
+    clock.advance(0.3)
     surge = [top, middle, middle, middle, top, middle, middle, middle, middle]
     _arrive(admission, [(clock.now - 0.3 + 0.03 * i, p) for i, p in enumerate(surge)])
     assert admission.demand.expected_slots(clock.now)[top] == pytest.approx(12 / 1 * 12 / 39 * 4)
@@ -810,7 +803,7 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     worker.prefilling, worker.prefill_tokens_ahead = 0, 0.0
     assert not admission.room.full(worker, standard, tokens=900)
     # Below standard alone (arriving once a second), batch keeps standard's 0.8 x 5 s / 2 = 2 s.
-    clock.now += 11.0
+    clock.advance(11.0)
     _arrive(admission, [(clock.now - 9.0 + k, standard.priority) for k in range(10)])
     worker.prefilling, worker.prefill_tokens_ahead = 1, 300.0
     assert not admission.room.full(worker, standard, tokens=900)
@@ -818,11 +811,11 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     assert admission.room.full(worker, batch, tokens=1750)
     # Interactive requests arriving twice in the 10 s watched: one is unlikely in a 0.41 s
     # step (0.08 of one expected), and the standard prompt goes.
-    clock.now += 11.0
+    clock.advance(11.0)
     _arrive(admission, [(clock.now - 9.0, interactive.priority), (clock.now, interactive.priority)])
     assert not admission.room.full(worker, standard, tokens=110)
     # Arriving every 0.75 s they are likely (0.53 expected): it waits.
-    clock.now += 11.0
+    clock.advance(11.0)
     _arrive(admission, [(clock.now - 9.0 + 0.75 * k, interactive.priority) for k in range(13)])
     assert admission.room.full(worker, standard, tokens=110)
 
@@ -832,7 +825,7 @@ async def test_a_lower_tier_prompt_waits_while_the_prefill_ahead_would_delay_hig
     queued = asyncio.create_task(admission.admit(_ticket(settings, clock, "standard", 300)))
     await asyncio.sleep(0)
     assert not queued.done()
-    clock.now += 0.3
+    clock.advance(0.3)
     lease.first_output(clock.now)
     admission.poke()
     second, waited = await asyncio.wait_for(queued, 1.0)
@@ -855,7 +848,7 @@ def test_a_lower_tier_prompt_waits_while_its_prefill_would_stall_a_higher_stream
     stream.first_output(clock.now)
     assert worker.decoding == {stream}
     for _ in range(20):
-        clock.now += 0.06
+        clock.advance(0.06)
         stream.output_gap(0.06, clock.now)
     # 60 ms a token so far, 64 tokens after the first: (0.9 x 100 ms - 60 ms) x 64 = 1.92 s of
     # stall it can take. No interactive arrivals, nothing prefilling: only this rule holds.
@@ -871,7 +864,7 @@ def test_a_lower_tier_prompt_waits_while_its_prefill_would_stall_a_higher_stream
     assert not admission.room.full(worker, interactive, tokens=5000)
     # Slower since: 75 ms a token so far leaves 0.96 s.
     for _ in range(20):
-        clock.now += 0.09
+        clock.advance(0.09)
         stream.output_gap(0.09, clock.now)
     assert not admission.room.full(worker, standard, reserving=False, tokens=900)
     assert admission.room.full(worker, standard, reserving=False, tokens=1000)
@@ -919,7 +912,7 @@ def test_the_prefill_limit_holds_a_lower_tier_only_while_a_higher_one_would_wait
     _arrive(admission, [(clock.now, interactive.priority)] * 20)
     assert admission.room.full(worker, standard, reserving=False, tokens=300)
     # Once an interactive request prefills, it waits whatever the rate.
-    clock.now += 11.0
+    clock.advance(11.0)
     first.first_output(clock.now)
     assert worker.tier_prefilling["standard"] == 0
     assert not admission.room.full(worker, standard, reserving=False, tokens=300)
@@ -992,7 +985,7 @@ async def test_full_worker_queues_by_tier_then_deadline_and_dispatches_when_free
                        ("s2", "standard")]:  # fmt: skip
         tasks.append(asyncio.create_task(run(name, tier)))
         await asyncio.sleep(0)
-        clock.now += 0.01
+        clock.advance(0.01)
     await asyncio.sleep(0)
     assert metrics.registry.get_sample_value("gateway_queue_depth", {"tier": "standard"}) == 2
     worker.in_flight = 0  # the request that held the slot ends
@@ -1015,7 +1008,7 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     pool.workers["a:1"].in_flight = 1
     task = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
     await asyncio.sleep(0)
-    clock.now += 5.0
+    clock.advance(5.0)
     admission._dispatch()
     with pytest.raises(QueueTimeout) as caught:
         await task
@@ -1031,7 +1024,7 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     interactive, _ = await admission.admit(_ticket(settings, clock, "interactive"))
     assert interactive.worker is pool.workers["a:1"]
     interactive.release(clock.now)
-    clock.now += 2.5  # the shortage is over: the batch request runs
+    clock.advance(2.5)  # the shortage is over: the batch request runs
     admission._dispatch()
     choice, waited = await batch
     assert choice.worker is pool.workers["a:1"]
@@ -1050,7 +1043,7 @@ async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_
             worker.recent_ttft.observe(recent_ttft, clock.now)
         task = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
         await asyncio.sleep(0)
-        clock.now += waited
+        clock.advance(waited)
         admission._dispatch()
         return task
 
@@ -1110,7 +1103,7 @@ async def test_retry_after_follows_the_drain_rate_measured_while_requests_queue(
     await asyncio.sleep(0)
     for _ in range(21):  # 2 requests/s leave the full worker while the batch requests wait
         admission.completed("batch", 1.0)
-        clock.now += 0.5
+        clock.advance(0.5)
     assert admission.drain.rate(clock.now) == pytest.approx(2.0, rel=0.1)
     # An interactive request that must be rejected has the 5 batch requests behind it, not
     # ahead: Retry-After ~ 1 / 2 per s.
@@ -1139,7 +1132,7 @@ async def test_completions_while_nothing_queues_say_nothing_of_the_drain_rate() 
     admission, _, _, _ = _controller(clock)
     for _ in range(64):
         admission.completed("standard", 0.3)
-        clock.now += 0.1
+        clock.advance(0.1)
     assert admission.drain.rate(clock.now) == 0.0
 
 
@@ -1247,10 +1240,10 @@ async def test_per_key_concurrency_and_tokens_per_minute() -> None:
         await auth.acquire(me, 50)
     assert limited.value.retry_after_s == pytest.approx(30.1)
     assert limited.value.headers()["retry-after"] == "31"
-    clock.now += 20
+    clock.advance(20)
     with pytest.raises(RateLimited):
         await auth.acquire(me, 50)
-    clock.now += 11
+    clock.advance(11)
     await auth.acquire(me, 50)
 
 
@@ -1260,7 +1253,7 @@ def test_token_bucket_refills_to_capacity_only() -> None:
     bucket.charge(90)
     assert bucket.level == pytest.approx(-30)
     assert bucket.wait() == pytest.approx(31)
-    clock.now += 1000
+    clock.advance(1000)
     assert bucket.level == pytest.approx(60)
 
 
@@ -1286,7 +1279,7 @@ def test_slo_results_and_goodput_ratio() -> None:
     for result in ("met", "met", "met", "missed_ttft", "rejected"):
         tracker.record(MODEL, "interactive", SloResult(result), 10)
     assert tracker.ratio("interactive") == pytest.approx(0.6)
-    clock.now += 61
+    clock.advance(61)
     tracker.record(MODEL, "interactive", SloResult.MET, 10)
     assert tracker.ratio("interactive") == 1.0
     tracker.export()
@@ -1326,7 +1319,7 @@ def test_a_tpot_target_a_worker_misses_alone_no_longer_steers_it() -> None:
     # A worker at 120 ms a token whatever its batch: every stream misses interactive's 100 ms
     # target, and the cuts take the limit down to one stream at a time.
     for _ in range(10):
-        clock.now += 1.1
+        clock.advance(1.1)
         limits.learn(worker, 0.12, clock.now, decode_load=2.0)
     assert limits.cap(worker) == 1
     assert worker.limit.measured
@@ -1342,7 +1335,7 @@ def test_a_tpot_target_a_worker_misses_alone_no_longer_steers_it() -> None:
     assert limits.cap(worker) == settings.max_running_per_worker
     assert not worker.limit.measured
     for _ in range(5):
-        clock.now += 1.1
+        clock.advance(1.1)
         limits.learn(worker, 0.12, clock.now, decode_load=3.0)
     assert limits.cap(worker) == settings.max_running_per_worker
     # A lower tier's prompt is not held for the stall of a stream whose target is out of reach.
@@ -1354,7 +1347,7 @@ def test_a_tpot_target_a_worker_misses_alone_no_longer_steers_it() -> None:
     stream = admission.lease(Choice(worker, 0.0, 0.0), ticket)
     stream.first_output(clock.now)
     for _ in range(20):
-        clock.now += 0.12
+        clock.advance(0.12)
         stream.output_gap(0.12, clock.now)
     assert stream.stall_room(clock.now, 0.09, None) < 0
     assert not admission.room.full(worker, standard, reserving=False, tokens=100)

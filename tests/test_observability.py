@@ -20,9 +20,10 @@ from app.metrics import Counter, GatewayMetrics
 from app.outcome import SloResult
 from app.settings import Settings
 from app.workers import WorkerPool
+from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
-from tests.test_pool import FakeClock, FakeResolver
+from tests.test_pool import FakeResolver
 
 
 def test_each_tiers_objective_is_exported() -> None:
@@ -58,7 +59,7 @@ def test_the_live_goodput_gauge_reads_nan_once_its_window_is_empty() -> None:
     tracker.record(MODEL, "interactive", SloResult.MET, 10)
     tracker.record(MODEL, "interactive", SloResult.MISSED_TTFT, 10)
     assert ratio() == 0.5
-    clock.now += 61
+    clock.advance(61)
     after = ratio()
     assert after is not None
     assert math.isnan(after)

@@ -18,16 +18,9 @@ from app.routing import RouteKey, Router
 from app.settings import Settings
 from app.wire import ProtocolFactory
 from app.workers import Worker, WorkerPool
+from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL, FakeWorker, chunk, fleet, tokens
 from tests.servers import running_gateway, settings_for
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeResolver:
@@ -63,13 +56,13 @@ def test_repeated_failures_eject_with_growing_backoff_and_the_worker_returns() -
     assert not a.healthy(clock.now)
     assert _metric(pool, "gateway_worker_ejected", "a:1") == 1
     assert _metric(pool, "gateway_worker_ejections_total", "a:1") == 1
-    clock.now += 1.01
+    clock.advance(1.01)
     assert a.healthy(clock.now)
     for _ in range(3):  # fails again soon after: the backoff doubles
         pool.report_failure(a, "timeout")
-    clock.now += 1.5
+    clock.advance(1.5)
     assert not a.healthy(clock.now)
-    clock.now += 0.6
+    clock.advance(0.6)
     assert a.healthy(clock.now)
     # A success resets the streak; a long healthy spell resets the backoff.
     pool.report_failure(a, "x")
@@ -77,7 +70,7 @@ def test_repeated_failures_eject_with_growing_backoff_and_the_worker_returns() -
     pool.report_failure(a, "x")
     pool.report_failure(a, "x")
     assert a.healthy(clock.now)
-    clock.now += settings.eject_max_s + 1
+    clock.advance(settings.eject_max_s + 1)
     pool.report_success(a)
     assert a.ejections == 0
 
@@ -372,12 +365,12 @@ def test_requests_sent_before_an_ejection_do_not_eject_the_worker_again() -> Non
     clock = FakeClock()
     pool, a = _one_worker(clock, eject_base_s=1.0)
     sent = clock.now
-    clock.now += 2.0  # they time out together
+    clock.advance(2.0)  # they time out together
     for _ in range(3 * 1100):
         pool.report_failure(a, "no_worker", sent)
     assert a.ejections == 1
     assert a.ejected_until == pytest.approx(clock.now + 1.0)
-    clock.now += 1.5  # back, and the stragglers of the burst still do not count
+    clock.advance(1.5)  # back, and the stragglers of the burst still do not count
     pool.report_failure(a, "no_worker", sent)
     assert a.failures == 0
     assert a.healthy(clock.now)
@@ -391,7 +384,7 @@ def test_thousands_of_ejections_keep_the_backoff_at_its_longest() -> None:
     clock = FakeClock()
     pool, a = _one_worker(clock, eject_max_s=30.0)
     for _ in range(3 * 1100):
-        clock.now += 0.001
+        clock.advance(0.001)
         pool.report_failure(a, "no_worker", clock.now)
     assert a.ejected_until == pytest.approx(clock.now + 30.0)
 

@@ -16,9 +16,10 @@ from app.prefix import BLOCK_CHARS, PrefixIndex, PromptPrefix, prompt_text
 from app.protocol import Endpoint, ParsedRequest, parse_request
 from app.routing import RouteKey, Router
 from app.workers import Worker, WorkerPool
+from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
-from tests.test_pool import FakeClock, FakeResolver
+from tests.test_pool import FakeResolver
 
 SAMPLES = Path(__file__).parent / "data" / "vllm_samples"
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")

@@ -26,9 +26,10 @@ from app.routing import RouteKey
 from app.settings import TierSpec
 from app.timing import TimingSummary
 from app.workers import Worker, WorkerPool
+from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
-from tests.test_admission import FakeClock, NoDns, _controller, _decisions, _ticket, _tier
+from tests.test_admission import NoDns, _controller, _decisions, _ticket, _tier
 
 SAMPLES = Path(__file__).parent / "data" / "vllm_samples"
 
@@ -63,14 +64,14 @@ async def test_sequential_traffic_teaches_no_limit_that_turns_away_the_next_burs
     for _ in range(64):  # one at a time: 20 ms to the first token, 32 tokens at 10 ms
         lease, waited = await admission.admit(_ticket(settings, clock, "standard", 300))
         assert waited == 0.0
-        clock.now += 0.02
+        clock.advance(0.02)
         lease.first_output(clock.now)
-        clock.now += 0.31
+        clock.advance(0.31)
         lease.release(clock.now)
         admission.limits.learn(worker, 0.01, clock.now, lease.decode_load)
         admission.limits.first_token(worker, 0.02, 1, clock.now)
         admission.completed("standard", 0.33, 0.31, 31)
-        clock.now += 0.01
+        clock.advance(0.01)
     assert admission.limits.cap(worker) >= 64
     results = await asyncio.gather(
         *(admission.admit(_ticket(settings, clock, "standard", 300)) for _ in range(32))
@@ -106,7 +107,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     assert full.value.code == "queue_full"
     assert _decisions(metrics, "standard", "rejected", "queue_full") == 1
     # Its deadline leaves 0.7 s for the first token: the interactive request expires.
-    clock.now += 0.31
+    clock.advance(0.31)
     admission._dispatch()
     with pytest.raises(QueueTimeout) as expired:
         await interactive
@@ -114,7 +115,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     assert _decisions(metrics, "interactive", "expired", "queue_timeout") == 1
     # The worker stops holding requests back; interactive was short of capacity 2 s ago, so
     # lower tiers have let it go first until now: the standard request runs.
-    clock.now += 2.0
+    clock.advance(2.0)
     worker.load = LoadSample(4, 0, 0.1, clock.now, capacity_waiting=0)
     admission._dispatch()
     lease, waited = await standard
@@ -189,7 +190,7 @@ async def test_other_replicas_requests_and_the_kv_cache_count_against_the_limit(
     worker.load = LoadSample(14, 0, 0.2, clock.now)  # 10 of others'
     assert not admission.room.full(worker, interactive)
     # Stale figures say nothing of others: only our own count.
-    clock.now += settings.load_max_age_s + 0.1
+    clock.advance(settings.load_max_age_s + 0.1)
     assert admission.limits.occupied(worker, clock.now) == 0
     # A KV cache of 20,000 tokens holds 20 requests of 1,000 tokens: that caps the limit.
     worker.load = LoadSample(0, 0, 0.0, clock.now, kv_tokens=20_000)
@@ -335,7 +336,7 @@ def test_every_lowering_of_a_limit_is_counted_under_its_cause() -> None:
     assert _cuts(metrics, "tpot_miss") == 1
     # The worker's running streams together slower than the target, a cooldown later and
     # once the load is under the first cut's limit.
-    clock.now += 1.5
+    clock.advance(1.5)
     worker.add_in_flight(-15, clock.now)
     limits.paced(worker, 0.2, clock.now)
     assert _cuts(metrics, "decode_pace") == 1
@@ -383,15 +384,15 @@ def test_the_limits_keep_the_targets_of_the_tiers_that_have_requests() -> None:
     assert sum(_cuts(metrics, c) for c in LimitCut) == 0
     assert limits.cap(worker) == 256
     # An interactive request comes: 150 ms a token misses its 100 ms target.
-    clock.now += 1
+    clock.advance(1)
     limits.arrived(interactive, clock.now)
     limits.learn(worker, 0.15, clock.now, 20.0)
     assert _cuts(metrics, "tpot_miss") == 1
     assert limits.cap(worker) < 20
     # A minute without interactive requests: standard's targets again.
-    clock.now += 59
+    clock.advance(59)
     assert limits.targets(clock.now) == (0.1, 1.0)
-    clock.now += 1
+    clock.advance(1)
     limits.arrived(standard, clock.now)
     assert limits.targets(clock.now) == (0.2, 5.0)
 
@@ -483,7 +484,7 @@ def test_once_a_miss_set_the_limit_the_decode_line_no_longer_lowers_it() -> None
     assert _cuts(metrics, "tpot_miss") == 1
     # Streams from the lighter load of seconds before, within the aim: the line projects 30,
     # but nothing measured says 54 is too many. Only a measurement lowers a measured limit.
-    clock.now += 2
+    clock.advance(2)
     limits.learn(worker, 0.03, clock.now, 12.0)
     limits.first_token(worker, 0.2, 1, clock.now)
     assert limits.cap(worker) == 54
@@ -519,7 +520,7 @@ def test_a_miss_cuts_from_the_load_it_was_measured_at_not_what_runs_as_it_ends()
     worker.pace.gap(0.15, clock.now)
     readings = []
     for _ in range(10):
-        clock.now += 0.15
+        clock.advance(0.15)
         readings += [worker.pace.gap(0.15, clock.now) for _ in range(10)]
     assert [r for r in readings if r is not None] == [pytest.approx(0.15)]
     assert worker.pace.load == pytest.approx(10)
@@ -534,7 +535,7 @@ def test_a_stream_within_the_aim_lifts_the_limit_no_further_than_the_decode_line
     # A limit a miss set (the line no longer lowers it), settled since.
     worker.limit = ConcurrencyLimit(initial=20, maximum=256)
     assert worker.limit.cut(20, clock.now)
-    clock.now += 6
+    clock.advance(6)
     # A stream at a mean load of 12, 20 ms a token: in proportion, 48 would keep the aim,
     # but the line, which has seen what more streams cost, says 29 (with its prior).
     limits.learn(worker, 0.02, clock.now, 12.0)
@@ -553,13 +554,13 @@ async def test_a_slow_pace_window_cuts_only_when_the_streams_own_tpot_so_far_mis
     leases = [
         (await admission.admit(_ticket(settings, clock, "interactive", 300)))[0] for _ in range(10)
     ]
-    clock.now += 0.3
+    clock.advance(0.3)
     for lease in leases:
         lease.first_output(clock.now)
 
     def decode(gaps: int, gap: float) -> None:
         for _ in range(gaps):
-            clock.now += gap
+            clock.advance(gap)
             for lease in leases:
                 lease.output_gap(gap, clock.now)
 
@@ -578,7 +579,7 @@ async def test_a_slow_pace_window_cuts_only_when_the_streams_own_tpot_so_far_mis
     leases = [
         (await admission.admit(_ticket(settings, clock, "interactive", 300)))[0] for _ in range(10)
     ]
-    clock.now += 0.3
+    clock.advance(0.3)
     for lease in leases:
         lease.first_output(clock.now)
     decode(1, 0.05)

@@ -19,23 +19,16 @@ from app.looplag import LAG_BUCKETS, LoopLagProbe
 from app.metrics import BatchHistogram
 from app.state import STATE_KEY
 from app.timing import RequestTimer
+from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL, FakeWorker, tokens
 from tests.servers import running_gateway, settings_for
 from tests.wire_bridge import bridge
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_streamed_request_timings() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     timer = RequestTimer(clock)
-    clock.now += 0.002
+    clock.advance(0.002)
     timer.dispatch()
     # Role chunk at +0.05 is not output; tokens at +0.1, +0.12, +0.15, +0.16.
     for t in (0.1, 0.12, 0.15, 0.16):
@@ -51,7 +44,7 @@ def test_streamed_request_timings() -> None:
 
 
 def test_events_carrying_several_tokens_share_their_gap() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     timer = RequestTimer(clock)
     for t in (0.1, 0.2, 0.3):  # three events, but the worker reports 5 tokens
         timer.output(100.0 + t)
@@ -62,7 +55,7 @@ def test_events_carrying_several_tokens_share_their_gap() -> None:
 
 
 def test_without_usage_each_event_is_one_token() -> None:
-    timer = RequestTimer(FakeClock())
+    timer = RequestTimer(FakeClock(100.0))
     timer.output(100.5)
     timer.output(100.7)
     s = timer.summary(completion_tokens=None)
@@ -71,10 +64,10 @@ def test_without_usage_each_event_is_one_token() -> None:
 
 
 def test_single_token_has_no_tpot_and_unary_ends_at_response() -> None:
-    timer = RequestTimer(FakeClock())
+    timer = RequestTimer(FakeClock(100.0))
     timer.output(100.3)
     assert timer.summary(completion_tokens=1).tpot_s is None
-    unary = RequestTimer(FakeClock())
+    unary = RequestTimer(FakeClock(100.0))
     s = unary.summary(completion_tokens=10, end=101.25)
     assert s.e2e_s == pytest.approx(1.25)
     assert s.ttft_s is None
@@ -82,10 +75,10 @@ def test_single_token_has_no_tpot_and_unary_ends_at_response() -> None:
 
 
 def test_admission_wait_counts_as_queue_not_overhead() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     timer = RequestTimer(clock)
     timer.queued(0.5)
-    clock.now += 0.501
+    clock.advance(0.501)
     timer.dispatch()
     timer.add_overhead(0.0002)
     s = timer.summary(None)
@@ -94,15 +87,15 @@ def test_admission_wait_counts_as_queue_not_overhead() -> None:
 
 
 def test_a_failed_attempt_is_failover_time_not_queue_or_overhead() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     timer = RequestTimer(clock)
-    clock.now += 0.3
+    clock.advance(0.3)
     timer.queued(0.3)  # waited 0.3 s for admission
-    clock.now += 0.001
+    clock.advance(0.001)
     timer.dispatch()  # 1 ms of the gateway's own
-    clock.now += 2.0
+    clock.advance(2.0)
     timer.attempt_failed()  # the worker answered 500 after 2 s
-    clock.now += 0.002
+    clock.advance(0.002)
     timer.dispatch()  # 2 ms choosing the next worker
     timer.output(clock.now + 0.05)
     s = timer.summary(completion_tokens=1)
@@ -146,7 +139,7 @@ async def _stream_3(request: httpx.Request, body: dict[str, Any]) -> httpx.Respo
 
 async def test_ttft_runs_from_the_first_byte_to_the_event_handed_to_the_socket() -> None:
     """Driven as uvicorn drives it, on a fake clock: each write to the client takes 1 s."""
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     worker = FakeWorker(_stream_3)
     app = create_app(
         settings_for(WORKER), transport=worker.transport, connector=bridge(worker.transport),
@@ -183,7 +176,7 @@ async def test_ttft_runs_from_the_first_byte_to_the_event_handed_to_the_socket()
         sent.append(message)
         if message["type"] == "http.response.body":
             if message.get("body"):
-                clock.now += 1.0  # the socket takes a second to take the bytes
+                clock.advance(1.0)  # the socket takes a second to take the bytes
             if not message.get("more_body"):
                 finished.set()
 
