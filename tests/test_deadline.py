@@ -67,6 +67,20 @@ async def test_a_cancellation_from_outside_is_not_turned_into_a_timeout() -> Non
 
 async def test_a_block_that_ends_in_time_is_left_alone() -> None:
     loop = asyncio.get_running_loop()
-    async with Deadline(loop.time() + 0.05) as deadline:
-        deadline.move(loop.time() + 0.05)
-    await asyncio.sleep(0.1)  # the timer was cancelled: nothing fires into this task now
+    task = asyncio.current_task()
+    assert task is not None
+    start = loop.time()
+    ran = False
+    async with Deadline(start + 0.2) as deadline:
+        await asyncio.sleep(0.01)
+        deadline.move(loop.time() + 0.2)  # later: the timer stays armed for the first one
+        ran = True
+    # The block ran to its end, raised no TimeoutError, and left no cancellation on the task.
+    assert ran
+    assert task.cancelling() == 0
+    try:
+        await asyncio.sleep(0.25)  # past both deadlines
+    except asyncio.CancelledError:
+        pytest.fail("the deadline's timer fired into the task after its block had ended")
+    assert loop.time() - start >= 0.25
+    assert task.cancelling() == 0

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.servers import running_gateway, settings_for
-from tests.test_real_worker import scrape, total, wait_idle
+from tests.test_real_worker import assert_worker_aborted, scrape, total, wait_idle
 
 CHAT_MODEL = "tiny-llama"
 EMBED_MODEL = "tiny-embed"
@@ -219,14 +219,31 @@ async def test_models_keep_every_field_vllm_sends(
 async def test_a_disconnect_mid_responses_stream_stops_the_worker(
     gateway_url: str, vllm_worker_url: str
 ) -> None:
+    """A client that leaves a Responses stream stops the generation on the worker: as
+    ``test_client_disconnect_aborts_the_worker_request``, proven from the worker's counters."""
     await wait_idle(vllm_worker_url, 5)
-    body = {"model": CHAT_MODEL, "input": "Go on.", "stream": True, "max_output_tokens": 900}
+    before, gateway_before = await scrape(vllm_worker_url), await scrape(gateway_url)
+    # ~900 tokens that no end-of-sequence token can cut short: seconds of work.
+    body = {
+        "model": CHAT_MODEL,
+        "input": "Go on.",
+        "stream": True,
+        "max_output_tokens": 900,
+        "ignore_eos": True,
+    }
     async with httpx.AsyncClient(timeout=30) as client:
         async with client.stream("POST", f"{gateway_url}/v1/responses", json=body) as response:
+            assert response.status_code == 200
             async for data in response.aiter_raw():
                 if b"output_text.delta" in data:
-                    break
-    took = await wait_idle(vllm_worker_url, 1.0)
+                    break  # the client closes its connection mid-stream
+    took = await assert_worker_aborted(vllm_worker_url, before, max_tokens=900)
+    gateway = await scrape(gateway_url)
+    cancelled = {"endpoint": "responses", "outcome": "client_cancelled"}
+    counted = total(gateway, "gateway_requests_total", **cancelled) - total(
+        gateway_before, "gateway_requests_total", **cancelled
+    )
+    assert counted == 1
     print(f"worker idle {took * 1000:.0f} ms after the client went away")
 
 

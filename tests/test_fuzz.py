@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
@@ -60,24 +60,116 @@ def _body(fields: dict[str, Any]) -> bytes:
     return json.dumps(fields).encode()
 
 
+# The codes parse_request gives: a body that is not UTF-8, not a JSON object, or holds a lone
+# surrogate; a field of the wrong type; chat without its messages.
+_CODES = {
+    "invalid_utf8",
+    "invalid_json",
+    "invalid_unicode",
+    "invalid_type",
+    "missing_required_parameter",
+}
+
+
+def _refusal(error: InvalidRequest) -> dict[str, Any]:
+    """The error object the client is sent, read back from the error's own JSON."""
+    # parse_request refuses as a 400; a subclass would mean a 404 or 413 for a body's content.
+    assert type(error) is InvalidRequest, type(error)
+    body = json.loads(error.to_json())
+    assert set(body) == {"error"}
+    refusal: dict[str, Any] = body["error"]
+    assert set(refusal) == {"message", "type", "param", "code"}
+    assert refusal["type"] == "invalid_request_error"
+    assert refusal["code"] in _CODES, refusal
+    assert isinstance(refusal["message"], str)
+    assert refusal["message"].strip()
+    assert refusal["param"] is None or isinstance(refusal["param"], str)
+    return refusal
+
+
+def _encodes(value: Any) -> bool:
+    """Whether a decoded JSON value encodes back to UTF-8 (no lone surrogate in it)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @settings(max_examples=400, deadline=None)
 @given(fields=_fields, endpoint=st.sampled_from(list(Endpoint)))
 def test_any_request_object_parses_or_is_an_invalid_request(
     fields: dict[str, Any], endpoint: Endpoint
 ) -> None:
     result = _parse(endpoint, _body(fields))
+    if endpoint is Endpoint.CHAT and not isinstance(fields.get("messages"), list):
+        assert isinstance(result, InvalidRequest), "chat without a messages list was accepted"
+    if not _encodes(fields):
+        assert isinstance(result, InvalidRequest), "a lone surrogate was accepted"
     if isinstance(result, InvalidRequest):
-        assert result.status_code == 400
-        assert isinstance(result.code, str)
-    else:
-        json.loads(result.upstream_body())  # what goes to the worker is JSON it can read
+        refusal = _refusal(result)
+        if refusal["code"] == "missing_required_parameter":
+            assert (endpoint, refusal["param"]) == (Endpoint.CHAT, "messages")
+            assert "messages" not in fields
+        elif refusal["code"] == "invalid_type":
+            # The param named is one the client sent (``stream_options.include_usage``, say).
+            assert refusal["param"] is not None
+            assert refusal["param"].split(".")[0] in fields, (refusal, fields)
+        else:  # the body is a JSON object: only a lone surrogate is refused as a whole
+            assert refusal["code"] == "invalid_unicode"
+            assert not _encodes(fields)
+        return
+    # Accepted: the worker is sent the client's request; only stream_options may be added to.
+    assert result.endpoint is endpoint
+    assert result.model == (fields.get("model") or "")
+    upstream = json.loads(result.upstream_body())
+    if endpoint is Endpoint.CHAT:
+        assert upstream["messages"] == fields["messages"]
+    if result.stream and not result.wants_usage:
+        # The gateway asks for the final usage chunk (and never the per-chunk usage).
+        asked = {**(fields.get("stream_options") or {}), "include_usage": True}
+        asked.pop("continuous_usage_stats", None)
+        assert upstream.pop("stream_options") == asked
+        fields = {k: v for k, v in fields.items() if k != "stream_options"}
+    assert upstream == fields
 
 
 @settings(max_examples=300, deadline=None)
 @given(raw=st.binary(max_size=200))
+@example(raw=b"\xff{}")
+@example(raw=b"{")
+@example(raw=b"[1]")
+@example(raw=b'{"messages": [], "x": "\\ud800"}')
+@example(raw=b'{"model": 4}')
+@example(raw=b"{}")
+@example(raw=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
 def test_any_bytes_parse_or_are_an_invalid_request(raw: bytes) -> None:
     result = _parse(Endpoint.CHAT, raw)
-    assert not isinstance(result, InvalidRequest) or result.status_code == 400
+    # What a reader of the bytes finds, worked out here without the parser.
+    try:
+        decoded: Any = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        expected = "invalid_utf8"
+    except ValueError:  # not JSON (or a number too long to read)
+        expected = "invalid_json"
+    else:
+        if not _encodes(decoded):
+            expected = "invalid_unicode"
+        elif not isinstance(decoded, dict):
+            expected = "invalid_json"
+        else:
+            expected = "the fields' check"
+    if isinstance(result, InvalidRequest):
+        code = _refusal(result)["code"]
+        if expected == "the fields' check":
+            assert code in {"invalid_type", "missing_required_parameter"}
+        else:
+            assert code == expected
+    else:
+        assert expected == "the fields' check", f"accepted bytes that are {expected}"
+        assert isinstance(decoded.get("messages"), list), "chat without a messages list"
+        assert result.model == (decoded.get("model") or "")
+        assert json.loads(result.upstream_body())["messages"] == decoded["messages"]
 
 
 def _parse(endpoint: Endpoint, raw: bytes) -> ParsedRequest | InvalidRequest:

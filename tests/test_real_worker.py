@@ -67,6 +67,35 @@ async def wait_idle(worker_url: str, within_s: float) -> float:
         await asyncio.sleep(0.05)
 
 
+async def assert_worker_aborted(
+    worker_url: str, before: dict[str, float], max_tokens: int
+) -> float:
+    """Prove, from the worker's own ``/metrics``, that it aborted the one generation started
+    since ``before`` (a :func:`scrape` of it) when the client went away; returns the seconds
+    until the worker was idle.
+
+    The generation must be one that cannot end by itself soon (``ignore_eos``, ``max_tokens``
+    of seconds of work). vLLM counts a generation that ends on its own (``stop``, ``length``,
+    ...) in ``vllm:request_success_total``; one aborted for its client is not counted (vLLM
+    0.32 drops it before its stats; any ``abort`` count is left out here). So: the worker is
+    idle within a second, no generation ended on its own, and it stopped short of
+    ``max_tokens``.
+    """
+    took = await wait_idle(worker_url, 1.0)
+    await asyncio.sleep(0.5)  # had it gone on, it would have produced more tokens by now
+    after = await scrape(worker_url)
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    finished = "vllm:request_success_total"
+    ended = grew(finished) - grew(finished, finished_reason="abort")
+    assert ended == 0, "the generation ran to its end: the worker never aborted it"
+    produced = grew("vllm:generation_tokens_total")
+    assert 0 < produced < max_tokens, f"the worker generated {produced} tokens"
+    return took
+
+
 async def test_sdk_chat_stream_is_relayed_token_by_token(
     sdk: openai.AsyncOpenAI, gateway_url: str, vllm_worker_url: str
 ) -> None:
@@ -228,14 +257,7 @@ async def test_client_disconnect_aborts_the_worker_request(
     task.cancel()  # the client closes its connection
     with pytest.raises(asyncio.CancelledError):
         await task
-    took = await wait_idle(vllm_worker_url, 1.0)
-    await asyncio.sleep(0.5)  # had it gone on, it would have produced more tokens by now
-    after = await scrape(vllm_worker_url)
-    finished = "vllm:request_success_total"
-    assert total(after, finished) == total(before, finished), "the generation ran to its end"
-    generated = "vllm:generation_tokens_total"
-    produced = total(after, generated) - total(before, generated)
-    assert 0 < produced < 1000, f"the worker generated {produced} tokens"
+    took = await assert_worker_aborted(vllm_worker_url, before, max_tokens=1000)
     gateway = await scrape(gateway_url)
     assert total(gateway, "gateway_requests_total", outcome="client_cancelled") >= 1
     print(f"worker idle {took * 1000:.0f} ms after the client went away")
