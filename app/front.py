@@ -865,7 +865,7 @@ class FrontProtocol(asyncio.Protocol):
             % (len(body), rid.encode(), body)
         )
         if hooks is not None:
-            path = httptools.parse_url(self._url).path if self._url else b""
+            path = self._url.partition(b"?")[0]  # as sent: it may be no valid URL
             seconds = self.loop.time() - self._head_started
             hooks.refused(rid, path.decode("latin-1"), status, seconds)
         active = self._exchange

@@ -309,6 +309,7 @@ SMUGGLING = {
     "an obsolete line fold": b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-a: b\r\n  c\r\n\r\n",
     "a NUL in a header": b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-a: b\x00c\r\n\r\n",
     "a bad request line": b"GET /healthz HTTP/9\r\nhost: x\r\n\r\n",
+    "a target that is no URL": b"GET http://a:99999/ HTTP/1.1\r\nhost: x\r\n\r\n",
 }
 
 
