@@ -321,11 +321,9 @@ class Relay:
         )
         deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
 
-    def output_gap(self, lease: Lease, gap: float, at: float) -> None:
-        """A later output event came ``gap`` seconds after the previous one, at ``at``."""
-        pace = lease.output_gap(gap, at)
-        if pace is not None:
-            self._deps.admission.limits.paced(lease.worker, pace, at)
+    def paced(self, lease: Lease, pace: float, at: float) -> None:
+        """The gaps of ``lease``'s stream closed a window of its worker's pace, read at ``at``."""
+        self._deps.admission.limits.paced(lease.worker, pace, at)
 
     def counted(self, tokens: tuple[int, int] | None) -> None:
         """The worker's usage told the prompt and completion tokens (None: it told nothing)."""
@@ -395,6 +393,9 @@ class Relay:
             raise UpstreamInvalidResponse(
                 f"Worker {lease.worker.label} broke off the stream: {type(exc).__name__}."
             ) from exc
+        finally:
+            if stream is not None:
+                timer.add_overhead(stream.overhead_s)
 
     async def _relay(self, out: ResponseWriter, events: list[bytes], outputs: int) -> None:
         """Send whole events, ``outputs`` of them carrying output, waiting as long as it takes."""
@@ -415,7 +416,12 @@ class Relay:
         pending = out.write(events[0] if len(events) == 1 else b"".join(events))
         if pending is not None:
             return self._sent_later(pending, outputs, done)
-        self._sent(outputs, done)
+        timer = self._timer
+        if outputs:
+            sent, output = timer.clock(), timer.output
+            for _ in range(outputs):
+                output(sent)
+        self._answered = done
         return None
 
     def _sent(self, outputs: int, done: bool) -> None:
@@ -583,7 +589,7 @@ class _Stream:
         "_clock", "_deadline", "_deadline_at", "_first", "_idle", "_keep_usage", "_kind_of",
         "_lease", "_loop", "_out", "_relay", "_restore", "_splitter", "_timer", "_total_at",
         "_worker",
-        "done", "held", "held_outputs", "last_received", "responses",
+        "done", "held", "held_outputs", "last_received", "overhead_s", "responses",
     )  # fmt: skip
 
     def __init__(
@@ -614,6 +620,8 @@ class _Stream:
         """Events held, in order, from a finish chunk until the usage chunk tells the worker's
         fingerprint: only while the gateway has not seen this worker's yet."""
         self.held_outputs = 0
+        self.overhead_s = 0.0
+        """The gateway's own time on this attempt's events (added to the timer at its end)."""
 
     def read_deadline(self) -> float:
         """The deadline while the relay waits for the worker: first token, or the next event."""
@@ -685,8 +693,9 @@ class _Stream:
             if seen:
                 self._learn(seen, before, received)
         if pending is None and self.last_received is not None:
-            self._deadline.move(self.read_deadline())
-        self._timer.add_overhead(self._clock() - received)
+            total_at, idle_at = self._total_at, self._loop.time() + self._idle
+            self._deadline.move(idle_at if total_at is None or idle_at < total_at else total_at)
+        self.overhead_s += self._clock() - received
         return pending
 
     def _learn(self, outputs: int, before: float | None, received: float) -> None:
@@ -695,9 +704,13 @@ class _Stream:
         if before is None:
             relay.first_output(lease, received)
         else:
-            relay.output_gap(lease, received - before, received)
+            pace = lease.output_gap(received - before, received)
+            if pace is not None:
+                relay.paced(lease, pace, received)
         for _ in range(outputs - 1):
-            relay.output_gap(lease, 0.0, received)
+            pace = lease.output_gap(0.0, received)
+            if pace is not None:
+                relay.paced(lease, pace, received)
 
 
 def _restored(held: list[bytes], member: bytes) -> list[bytes]:

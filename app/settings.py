@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -76,9 +78,9 @@ class WorkerSpec(BaseModel):
         default=None, description="Overrides the gateway-wide roofline figures for this worker."
     )
 
-    @property
+    @functools.cached_property
     def base_url(self) -> str:
-        """The URL with no trailing slash."""
+        """The URL with no trailing slash (made once: every relayed request asks for it)."""
         return str(self.url).rstrip("/")
 
     @property

@@ -10,8 +10,9 @@ Transport, httptools' parser). The rules:
   request that finds its reused connection closed before any byte of the answer came is sent
   again once, on a new connection: the worker never saw it.
 * A body is handed on in the connection's own ``data_received`` callback, without a task, a
-  future or a coroutine per piece: a chunk of a chunked body whole (a streaming worker writes
-  each SSE event as one chunk), any other body as it arrives.
+  future or a coroutine per piece, as the parser yields it: a chunk that came in one read is
+  one piece (a streaming worker writes each SSE event as one chunk), one cut across reads
+  comes in pieces, and the caller finds its own boundaries (the relay's are the events).
 * Backpressure: a sink that cannot take more at once returns an awaitable; reading the worker
   stops (``pause_reading``) until the caller has awaited it and pushes again. Only what one read
   of the socket held more is kept meanwhile. Uploads wait while the worker's socket is full.
@@ -213,8 +214,6 @@ class _Connection(asyncio.Protocol):
         self.response: Response | None = None
         self._head: asyncio.Future[Response] | None = None
         self._head_bytes = 0
-        self._chunked = False
-        self._chunk: list[bytes] = []
         self._keep_alive = False
         self._received = False
         """Any byte of the current request's answer came."""
@@ -294,25 +293,15 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = self._parser.should_keep_alive()
         head.set_result(response)
 
-    def on_chunk_header(self) -> None:
-        """The body is chunked: its pieces are handed on chunk by chunk."""
-        self._chunked = True
+    # No chunk callbacks: the parser then calls into Python once per piece of body, not three
+    # times per chunk. A chunk cut across reads comes as two pieces; the relay's event
+    # splitter, not the chunking, says where an event ends.
 
     def on_body(self, body: bytes) -> None:
-        """A piece of the body: gathered into its chunk, or handed on at once."""
-        if self._chunked:
-            self._chunk.append(body)
-        elif self.response is not None:
-            self.response.deliver(body)
-
-    def on_chunk_complete(self) -> None:
-        """A chunk ended: hand it on whole (the last, empty one ends nothing)."""
-        parts = self._chunk
-        if not parts or self.response is None:
-            return
-        piece = parts[0] if len(parts) == 1 else b"".join(parts)
-        parts.clear()
-        self.response.deliver(piece)
+        """A piece of the body: handed on at once."""
+        response = self.response
+        if response is not None:
+            response.deliver(body)
 
     def on_message_complete(self) -> None:
         """The response ended."""
@@ -329,8 +318,6 @@ class _Connection(asyncio.Protocol):
         head: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         self._head = head
         self._head_bytes = 0
-        self._chunked = False
-        self._chunk.clear()
         self._received = False
         # The parser goes on to the next response on a kept connection (after an error the
         # connection is closed, never reused).
@@ -401,7 +388,7 @@ class _Connection(asyncio.Protocol):
     def _delimited_by_close(self, response: Response) -> bool:
         """A head without Content-Length or chunking: the body ends with the connection."""
         framing = (b"content-length", b"transfer-encoding")
-        return not self._chunked and all(name not in framing for name, _ in response.headers)
+        return all(name not in framing for name, _ in response.headers)
 
 
 class _Pool:
