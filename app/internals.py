@@ -47,7 +47,7 @@ def _lacks(target: object, names: tuple[str, ...]) -> list[str]:
 
 
 def _protocol_contract(loop: asyncio.AbstractEventLoop) -> list[str]:
-    """How uvicorn hands a connection to :class:`app.front.FrontProtocol`, and waits for it."""
+    """How uvicorn hands a connection to :class:`app.http.front.FrontProtocol`, and waits for it."""
     state = _lacks(ServerState(), ("connections", "tasks"))
     server = [
         f"Server.startup: {name}"

@@ -5,10 +5,8 @@ from __future__ import annotations
 import logging
 import resource
 
-from app.app import create_app
-from app.server import GatewayServer, server_config
+from app.gateway import build_server, configure_logging
 from app.settings import Settings
-from app.shutdown import Shutdown
 from app.supervisor import process_count, supervise
 
 log = logging.getLogger(__name__)
@@ -27,26 +25,6 @@ def raise_fd_limit() -> tuple[int, int]:
         except (ValueError, OSError):
             return soft, soft
     return soft, hard
-
-
-def configure_logging(settings: Settings, processes: bool = False) -> None:
-    """Log lines to stderr; with several processes each line says which one (its pid)."""
-    pid = " [%(process)d]" if processes else ""
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s",
-        force=True,
-    )
-    # httpx logs every request at INFO: several lines a second per worker from the load scrapes
-    # and health probes alone. Failures are logged by the gateway itself.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
-def build_server(settings: Settings) -> GatewayServer:
-    """The gateway's server for ``settings``: the app, its drain, uvicorn's configuration."""
-    shutdown = Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
-    config = server_config(create_app(settings, shutdown=shutdown), settings)
-    return GatewayServer(config, shutdown)
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """HTTP routes: thin handlers that hand each request to the serving layer.
 
-Every endpoint relayed by model (:data:`app.protocol.ENDPOINT_PATHS`: generation, embeddings,
+Every endpoint relayed by model (:data:`app.api.protocol.ENDPOINT_PATHS`: generation, embeddings,
 score, rerank, pooling, tokenizer, transcriptions, with vLLM's aliases) is one handler made by
-:func:`_relayed`; what differs between them is their :class:`~app.protocol.Endpoint`.
+:func:`_relayed`; what differs between them is their :class:`~app.api.protocol.Endpoint`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.admission import Ticket
-from app.arrival import arrival
-from app.body import read_body, read_form
-from app.errors import GatewayError, error_body
-from app.front import ABORT_KEY, WRITER_KEY, ResponseWriter
-from app.protocol import (
+from app.admission.queue import Ticket
+from app.api.errors import GatewayError, error_body
+from app.api.protocol import (
     ENDPOINT_PATHS,
     Cost,
     Endpoint,
@@ -29,12 +26,15 @@ from app.protocol import (
     parse_form,
     parse_request,
 )
-from app.record import RequestEnd
-from app.relay import Relay, RequestContext, error_response
+from app.fleet.upstream import worker_get
+from app.http.arrival import arrival
+from app.http.body import read_body, read_form
+from app.http.front import ABORT_KEY, WRITER_KEY, ResponseWriter
+from app.http.trace import request_trace
+from app.observe.timing import RequestTimer
+from app.relay.record import RequestEnd
+from app.relay.serve import Relay, RequestContext, error_response
 from app.state import GatewayState, get_state
-from app.timing import RequestTimer
-from app.trace import request_trace
-from app.upstream import worker_get
 
 # Handlers read the state with get_state rather than through Depends: FastAPI's dependency
 # solving per request cost more than the rest of the handler.
@@ -42,12 +42,12 @@ router = APIRouter()
 
 
 def relay_handler(writes: bool) -> ASGIApp:
-    """The ASGI app of every relayed path (:data:`app.protocol.ENDPOINT_PATHS`).
+    """The ASGI app of every relayed path (:data:`app.api.protocol.ENDPOINT_PATHS`).
 
-    :class:`app.app.GatewayApp` calls it, behind the trace (and CORS, when configured), in
+    :class:`app.gateway.GatewayApp` calls it, behind the trace (and CORS, when configured), in
     place of FastAPI for those paths: a POST is relayed, any other method is answered 405.
     With ``writes``, nothing wraps ``send`` on the way, and the relay writes to the front
-    end's :class:`~app.front.ResponseWriter` when the server offers one.
+    end's :class:`~app.http.front.ResponseWriter` when the server offers one.
     """
 
     async def handle(scope: Scope, receive: Receive, send: Send) -> None:

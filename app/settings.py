@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 import json
 from collections.abc import Iterable
 from pathlib import Path

@@ -7,17 +7,17 @@ from dataclasses import dataclass
 import httpx
 from starlette.requests import Request
 
-from app.auth import Authenticator
-from app.goodput import GoodputTracker
-from app.metrics import GatewayMetrics
-from app.predictor import PromptSizer
-from app.record import Recorder
-from app.relay import RelayDeps
-from app.routing import Router
+from app.admission.auth import Authenticator
+from app.fleet.predictor import PromptSizer
+from app.fleet.routing import Router
+from app.fleet.workers import WorkerPool
+from app.observe.goodput import GoodputTracker
+from app.observe.metrics import GatewayMetrics
+from app.observe.timing import Clock
+from app.relay.record import Recorder
+from app.relay.serve import RelayDeps
 from app.settings import Settings
 from app.shutdown import Shutdown
-from app.timing import Clock
-from app.workers import WorkerPool
 
 
 @dataclass(frozen=True, slots=True)

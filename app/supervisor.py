@@ -4,15 +4,15 @@ One Python process uses one core. uvicorn's own multiprocess supervisor binds th
 socket once and hands it to every child (spawned, not forked), pings each child every half
 second and replaces one that died or stopped answering; SIGTERM or SIGINT to the supervisor
 sends SIGTERM to every child and waits for them. Here each child runs exactly what
-``python -m app`` runs with one process (:func:`app.main.build_server`): the gateway's own
+``python -m app`` runs with one process (:func:`app.gateway.build_server`): the gateway's own
 server, with its drain on SIGTERM, its garbage-collection policy and its protocol class, so a
 rollout drains every process.
 
 The children share one ``/metrics``: the supervisor makes a private temporary directory for
-prometheus_client's multiprocess mode (:mod:`app.metrics`), hands it to the children in
+prometheus_client's multiprocess mode (:mod:`app.observe.metrics`), hands it to the children in
 ``PROMETHEUS_MULTIPROC_DIR``, drops a dead child's live gauges and removes the directory when
 it exits. A dead child's counts stay in the pod's totals. What else the processes share (key
-limits, requests in flight, arrivals) goes through Redis (:mod:`app.shared`).
+limits, requests in flight, arrivals) goes through Redis (:mod:`app.admission.shared`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from prometheus_client.multiprocess import mark_process_dead
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
-from app.metrics import MULTIPROCESS_DIR
+from app.gateway import build_server, configure_logging
+from app.observe.metrics import MULTIPROCESS_DIR
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,8 @@ class GatewayProcess(Process):
 
     @property
     def server(self) -> uvicorn.Server:
-        """The child's :class:`app.server.GatewayServer` (built on first use, in the child)."""
+        """The child's :class:`app.http.server.GatewayServer` (built on first use, in the child)."""
         if self._server is None:
-            from app.main import build_server, configure_logging
-
             settings = Settings()
             configure_logging(settings, processes=True)
             self._server = build_server(settings)

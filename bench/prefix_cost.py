@@ -29,12 +29,13 @@ from typing import Any
 
 import httpx
 
-from app import prefix as index
-from app.metrics import GatewayMetrics
-from app.protocol import Endpoint, parse_request
-from app.routing import Choice, RouteKey, Router
+from app.api.protocol import Endpoint, parse_request
+from app.fleet import prefix as index
+from app.fleet.lease import Choice
+from app.fleet.routing import RouteKey, Router
+from app.fleet.workers import WorkerPool
+from app.observe.metrics import GatewayMetrics
 from app.settings import Settings
-from app.workers import WorkerPool
 from bench.live import prompt_text, write_json
 
 MODEL = "bench-llama"

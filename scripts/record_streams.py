@@ -2,7 +2,7 @@
 
 For each case, the worker is sent two requests: the client's own body (what the client would
 get from vLLM directly) and the body the gateway sends in its place
-(:meth:`app.protocol.ParsedRequest.upstream_body`). Both streams are stored as the exact bytes
+(:meth:`app.api.protocol.ParsedRequest.upstream_body`). Both streams are stored as the exact bytes
 received. vLLM merges the deltas of consecutive tokens when its server process falls behind, so
 the pair is recorded again until both have their events at the same places::
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from app.protocol import Endpoint, parse_request
+from app.api.protocol import Endpoint, parse_request
 
 MODEL = "tiny-llama"
 # Seeded sampling is deterministic in vLLM; temperature 1 gives this random model's varied text

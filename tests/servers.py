@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import httpx
 import uvicorn
 
-from app.app import create_app
-from app.server import collect_on_a_timer, server_config
+from app.fleet.wire import Connector
+from app.gateway import create_app
+from app.http.server import collect_on_a_timer, server_config
 from app.settings import Settings
-from app.wire import Connector
 from tests.wire_bridge import bridge
 
 

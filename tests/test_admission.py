@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.admission import AdmissionController, Ticket
-from app.auth import Authenticator, TokenBucket
-from app.errors import (
+from app.admission.auth import Authenticator, TokenBucket
+from app.admission.limits import Limits
+from app.admission.queue import AdmissionController, Ticket
+from app.api.errors import (
     AuthenticationFailed,
     Overloaded,
     QueueTimeout,
@@ -21,18 +22,17 @@ from app.errors import (
     Shed,
     TierNotAllowed,
 )
-from app.goodput import GoodputTracker, slo_result
-from app.lease import Lease
-from app.limiter import ConcurrencyLimit, DecodePace
-from app.limits import Limits
-from app.loadsignals import LoadSample
-from app.metrics import GatewayMetrics
-from app.outcome import DECISION_REASONS, SloResult
-from app.predictor import OnlineLinear, RecentQuantile
-from app.routing import NO_KEY, Choice, Router
+from app.api.outcome import DECISION_REASONS, SloResult
+from app.fleet.lease import Choice, Lease
+from app.fleet.limiter import ConcurrencyLimit, DecodePace
+from app.fleet.loadsignals import LoadSample
+from app.fleet.predictor import OnlineLinear, RecentQuantile
+from app.fleet.routing import NO_KEY, Router
+from app.fleet.workers import Worker, WorkerPool
+from app.observe.goodput import GoodputTracker, slo_result
+from app.observe.metrics import GatewayMetrics
+from app.observe.timing import TimingSummary
 from app.settings import Settings, TierSpec, WorkerSpec
-from app.timing import TimingSummary
-from app.workers import Worker, WorkerPool
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
@@ -61,7 +61,7 @@ def _controller(
 
 
 def load_fresh(worker: object, clock: FakeClock) -> None:
-    from app.loadsignals import LoadSample
+    from app.fleet.loadsignals import LoadSample
 
     worker.load = LoadSample(0, 0, 0.0, clock.now)  # type: ignore[attr-defined]
 
@@ -485,7 +485,7 @@ def test_a_closed_loop_flood_reads_as_saturation_by_its_waits() -> None:
 
 
 class QueuedElsewhere:
-    """The rest of the fleet as :mod:`app.shared` reads it: no arrivals, these queued."""
+    """The rest of the fleet as :mod:`app.admission.shared` reads it: no arrivals, these queued."""
 
     def __init__(self, queued: dict[str, dict[int, int]]) -> None:
         self._queued = queued

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.deadline import Deadline
+from app.relay.deadline import Deadline
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.protocol import ENDPOINT_PATHS, Cost, Endpoint
+from app.api.protocol import ENDPOINT_PATHS, Cost, Endpoint
 from tests.fake_upstream import MODEL, FakeWorker, fleet, tokens
 from tests.servers import running_gateway, settings_for
 from tests.test_relay_bytes import CASES, RecordedWorker, _as_direct, _relayed

@@ -1,4 +1,4 @@
-"""The front end (app.front): HTTP/1.1 on a client connection, driven byte by byte.
+"""The front end (app.http.front): HTTP/1.1 on a client connection, driven byte by byte.
 
 A :class:`FrontProtocol` is fed the client's bytes and writes to a recording transport, so each
 test sees exactly what goes on the wire: the head with the first body bytes in one write, a
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from app.front import (
+from app.http.front import (
     ABORT_KEY,
     FIRST_BYTE_KEY,
     HOOKS_KEY,

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from app.app import create_app
-from app.errors import InvalidRequest
-from app.protocol import Endpoint, ParsedRequest, parse_request
+from app.api.errors import InvalidRequest
+from app.api.protocol import Endpoint, ParsedRequest, parse_request
+from app.gateway import create_app
 from tests.fake_upstream import MODEL, FakeWorker
 from tests.servers import settings_for
 from tests.test_gateway_fake import _ok

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from pydantic import TypeAdapter
 
+from app.fleet.wire import ProtocolFactory
 from app.settings import TierSpec
-from app.wire import ProtocolFactory
 from tests.fake_upstream import DONE, MODEL, FakeWorker, chunk, tokens, usage_chunk
 from tests.servers import running_gateway, settings_for
 from tests.test_endpoints import _metric
@@ -548,12 +548,12 @@ async def test_a_refusal_is_logged_as_a_decision_with_its_reason_not_a_failure(
     long = {"role": "user", "content": "word " * 60_000}
     async with running_gateway(settings, worker.transport) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            with caplog.at_level(logging.INFO, logger="app.relay"):
+            with caplog.at_level(logging.INFO, logger="app.relay.serve"):
                 refused = await client.post("/v1/chat/completions", json=_chat(messages=[long]))
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "prompt_too_long"
     assert not worker.requests
-    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "app.relay"]
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "app.relay.serve"]
     request_id = refused.headers["x-request-id"]
     assert (logging.INFO, f"request {request_id} refused with 429 prompt_too_long: "
             f"{refused.json()['error']['message']}") in lines  # fmt: skip

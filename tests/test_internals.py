@@ -61,7 +61,7 @@ async def test_a_check_that_raises_does_not_hold(caplog: pytest.LogCaptureFixtur
 async def test_the_gateway_exports_each_assumption(monkeypatch: pytest.MonkeyPatch) -> None:
     held: dict[str, list[str]] = {a.name: [] for a in ASSUMPTIONS}
     held["uvicorn_multiprocess"] = ["Process._server"]
-    monkeypatch.setattr("app.app.assumptions_held", lambda: held)
+    monkeypatch.setattr("app.gateway.assumptions_held", lambda: held)
     worker = FakeWorker(_models_only)
     async with (
         running_gateway(settings_for(WORKER), worker.transport) as url,

@@ -14,12 +14,12 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from app.auth import Authenticator
-from app.goodput import GoodputTracker
-from app.metrics import Counter, GatewayMetrics
-from app.outcome import SloResult
+from app.admission.auth import Authenticator
+from app.api.outcome import SloResult
+from app.fleet.workers import WorkerPool
+from app.observe.goodput import GoodputTracker
+from app.observe.metrics import Counter, GatewayMetrics
 from app.settings import Settings
-from app.workers import WorkerPool
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for

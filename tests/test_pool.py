@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from app.errors import ModelNotFound
-from app.metrics import GatewayMetrics
-from app.routing import RouteKey, Router
+from app.api.errors import ModelNotFound
+from app.fleet.routing import RouteKey, Router
+from app.fleet.wire import ProtocolFactory
+from app.fleet.workers import Worker, WorkerPool
+from app.observe.metrics import GatewayMetrics
 from app.settings import Settings
-from app.wire import ProtocolFactory
-from app.workers import Worker, WorkerPool
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL, FakeWorker, chunk, fleet, tokens
 from tests.servers import running_gateway, settings_for
@@ -148,7 +148,7 @@ def test_stale_load_counts_as_busy() -> None:
     for worker in (a, b):
         worker.up = True
         worker.models = {MODEL}
-    from app.loadsignals import LoadSample
+    from app.fleet.loadsignals import LoadSample
 
     a.load = LoadSample(running=0, waiting=0, kv_cache_usage=0.1, at=clock.now)
     b.load = LoadSample(running=0, waiting=0, kv_cache_usage=0.1, at=clock.now - 60)

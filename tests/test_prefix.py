@@ -9,13 +9,13 @@ from typing import Any
 
 import httpx
 
-from app.lease import Lease
-from app.loadsignals import LoadSample, parse_load
-from app.metrics import GatewayMetrics
-from app.prefix import BLOCK_CHARS, PrefixIndex, PromptPrefix, prompt_text
-from app.protocol import Endpoint, ParsedRequest, parse_request
-from app.routing import RouteKey, Router
-from app.workers import Worker, WorkerPool
+from app.api.protocol import Endpoint, ParsedRequest, parse_request
+from app.fleet.lease import Lease
+from app.fleet.loadsignals import LoadSample, parse_load
+from app.fleet.prefix import BLOCK_CHARS, PrefixIndex, PromptPrefix, prompt_text
+from app.fleet.routing import RouteKey, Router
+from app.fleet.workers import Worker, WorkerPool
+from app.observe.metrics import GatewayMetrics
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.upstream import connection_budget
+from app.fleet.upstream import connection_budget
 from bench.load_client import ClientPool
 from bench.overhead import FLOOR, Bench, Load, Stack, proc_cpu_s
 

@@ -1,8 +1,8 @@
 """Events relayed in the worker connection's own callback: no task wakes up per event.
 
 The relay's client pushes each chunk of a body to the relay as its parser reads it
-(:meth:`app.wire.Response.push`), and the relay sends it with the server's ``send`` run up to
-its first wait (:func:`app.front.send_now`). These tests hold both to what a task-driven read
+(:meth:`app.fleet.wire.Response.push`), and the relay sends it with the server's ``send`` run up to
+its first wait (:func:`app.http.front.send_now`). These tests hold both to what a task-driven read
 and an awaited send would have done: the same pieces in the same order, errors raised as the
 client's, a send that must wait finished later, a cancellation delivered.
 """
@@ -16,8 +16,8 @@ from collections.abc import Awaitable
 import pytest
 from starlette.types import Message
 
-from app.front import send_now
-from app.wire import ConnectionClosed, Response, WireClient
+from app.fleet.wire import ConnectionClosed, Response, WireClient
+from app.http.front import send_now
 
 EVENTS = [b'data: {"n":%d}\n\n' % i for i in range(6)]
 

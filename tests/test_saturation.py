@@ -11,21 +11,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.admission import Ticket
-from app.errors import Overloaded, QueueTimeout, Shed
-from app.goodput import judge
-from app.lease import Lease
-from app.limiter import ConcurrencyLimit
-from app.limits import Limits
-from app.loadsignals import LoadSample, parse_load
-from app.looplag import LoopLagProbe
-from app.metrics import GatewayMetrics
-from app.outcome import LimitCut, Outcome, SloResult
-from app.prefix import BLOCK_CHARS, PromptPrefix
-from app.routing import RouteKey
+from app.admission.limits import Limits
+from app.admission.queue import Ticket
+from app.api.errors import Overloaded, QueueTimeout, Shed
+from app.api.outcome import LimitCut, Outcome, SloResult
+from app.fleet.lease import Lease
+from app.fleet.limiter import ConcurrencyLimit
+from app.fleet.loadsignals import LoadSample, parse_load
+from app.fleet.prefix import BLOCK_CHARS, PromptPrefix
+from app.fleet.routing import RouteKey
+from app.fleet.workers import Worker, WorkerPool
+from app.observe.goodput import judge
+from app.observe.looplag import LoopLagProbe
+from app.observe.metrics import GatewayMetrics
+from app.observe.timing import TimingSummary
 from app.settings import TierSpec
-from app.timing import TimingSummary
-from app.workers import Worker, WorkerPool
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for

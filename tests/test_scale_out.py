@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.server import collect_on_a_timer
+from app.http.server import collect_on_a_timer
 from scripts.redis_server import RedisServer
 from tests.pod import Pod, running_pod
 from tests.test_real_worker import scrape, total, wait_idle
@@ -357,7 +357,7 @@ async def test_a_process_killed_with_sigkill_is_replaced_and_the_other_keeps_ser
     assert statuses == [200] * 8
     page = await scrape(pod.url)
     assert total(page, "gateway_requests_total", endpoint="chat") == 14
-    # The histogram of inter-token gaps (merged per token batch, app.metrics.BatchHistogram)
+    # The histogram of inter-token gaps (merged per token batch, app.observe.metrics.BatchHistogram)
     # keeps the dead process's samples and adds the new ones.
     assert total(page, "gateway_inter_token_latency_seconds_count") >= gaps + 8
     deadline = time.monotonic() + 30

@@ -1,7 +1,7 @@
 """The server's limits on what clients hold and send (issue 21, findings 2 and 3).
 
 Header and body deadlines, header size and count, keep-alive and the connection cap, all through
-the server the gateway runs in production (app.server), against a scripted worker.
+the server the gateway runs in production (app.http.server), against a scripted worker.
 """
 
 from __future__ import annotations

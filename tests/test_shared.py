@@ -18,15 +18,15 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from app.auth import Authenticator, Identity
-from app.demand import TierDemand
-from app.discovery import LoopResolver
-from app.errors import RateLimited
-from app.metrics import GatewayMetrics
+from app.admission.auth import Authenticator, Identity
+from app.admission.demand import TierDemand
+from app.admission.shared import SharedState
+from app.api.errors import RateLimited
+from app.fleet.discovery import LoopResolver
+from app.fleet.workers import WorkerPool
+from app.observe.metrics import GatewayMetrics
+from app.observe.timing import default_clock
 from app.settings import Settings
-from app.shared import SharedState
-from app.timing import default_clock
-from app.workers import WorkerPool
 from scripts.redis_server import RedisServer
 from tests.servers import settings_for
 
@@ -158,7 +158,7 @@ async def test_redis_down_falls_back_within_the_budget_and_recovers(
     await a.auth.acquire(a.me, 10)
     await b.auth.acquire(b.me, 10)
     redis_server.kill()
-    caplog.set_level(logging.WARNING, logger="app.shared")
+    caplog.set_level(logging.WARNING, logger="app.admission.shared")
     # The first request of a after Redis went away pays at most the budget, then a is on
     # its own, with its part of the key's 4: two of the three processes it last saw get 1
     # each... a has its 1 already: refused, at once, never an error.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.sse import EventKind, EventSplitter, classify, event_data, parse_usage
+from app.api.sse import EventKind, EventSplitter, classify, event_data, parse_usage
 
 ROLE = (
     b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":'

@@ -13,12 +13,12 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from starlette.types import Message
 
-from app.app import create_app
-from app.arrival import FIRST_BYTE_KEY
-from app.looplag import LAG_BUCKETS, LoopLagProbe
-from app.metrics import BatchHistogram
+from app.gateway import create_app
+from app.http.arrival import FIRST_BYTE_KEY
+from app.observe.looplag import LAG_BUCKETS, LoopLagProbe
+from app.observe.metrics import BatchHistogram
+from app.observe.timing import RequestTimer
 from app.state import STATE_KEY
-from app.timing import RequestTimer
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL, FakeWorker, tokens
 from tests.servers import running_gateway, settings_for

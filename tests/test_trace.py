@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.protocol import Endpoint, ParsedRequest, parse_request
-from app.sse import EventKind, classify
+from app.api.protocol import Endpoint, ParsedRequest, parse_request
+from app.api.sse import EventKind, classify
 from tests.fake_upstream import MODEL, FakeWorker, chunk, tokens
 from tests.servers import running_gateway, settings_for
 from tests.test_gateway_fake import _ok
@@ -231,7 +231,7 @@ async def test_a_fault_in_the_relay_is_a_500_logged_as_sent(
             raise RuntimeError("a bug in the relay")
         return classify(event)
 
-    monkeypatch.setattr("app.relay.classify", failing_classify)
+    monkeypatch.setattr("app.relay.serve.classify", failing_classify)
     caplog.set_level(logging.INFO, logger="app.access")
     settings = settings_for(WORKER, access_log=True)
     async with running_gateway(settings, FakeWorker(_ok).transport) as url:

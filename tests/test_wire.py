@@ -1,4 +1,4 @@
-"""The relay's own HTTP/1.1 client (``app/wire.py``) against workers on real sockets.
+"""The relay's own HTTP/1.1 client (``app/fleet/wire.py``) against workers on real sockets.
 
 Each worker here is a raw asyncio server that writes scripted bytes, so that what the client
 does with every kind of response, good or malformed, is seen on a real connection.
@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import uvloop
 
-from app.wire import (
+from app.fleet.wire import (
     ConnectFailed,
     ConnectionClosed,
     ConnectTimeout,

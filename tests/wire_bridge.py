@@ -1,11 +1,12 @@
 """An in-memory network for the relay's client: HTTP/1.1 bytes in, an httpx transport's answer out.
 
-The relay talks to workers through :class:`app.wire.WireClient`, whose network is a
-:data:`app.wire.Connector`. :func:`bridge` gives one whose every connection is served by an httpx
-transport (the scripted workers of :mod:`tests.fake_upstream`, behind ``httpx.MockTransport``): the
-request bytes the client writes are parsed (httptools), handed to the transport as an
-``httpx.Request``, and its response written back as the HTTP/1.1 bytes a server would send, a
-chunk per piece of a streamed body, at the pace the body comes and only while the client reads.
+The relay talks to workers through :class:`app.fleet.wire.WireClient`, whose network is a
+:data:`app.fleet.wire.Connector`. :func:`bridge` gives one whose every connection is served by an
+httpx transport (the scripted workers of :mod:`tests.fake_upstream`, behind
+``httpx.MockTransport``): the request bytes the client writes are parsed (httptools), handed to the
+transport as an ``httpx.Request``, and its response written back as the HTTP/1.1 bytes a server
+would send, a chunk per piece of a streamed body, at the pace the body comes and only while the
+client reads.
 
 What a worker does to its connection the transport says by raising: any ``httpx.TransportError``
 drops the connection (before the head or mid-body), with the error as its cause. A client that
@@ -22,7 +23,7 @@ from typing import Any
 import httptools
 import httpx
 
-from app.wire import Connector, ProtocolFactory
+from app.fleet.wire import Connector, ProtocolFactory
 
 # Fields a server sets itself for the body it writes; the transport's own are not passed on.
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})

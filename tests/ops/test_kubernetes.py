@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from app.auth import Authenticator
+from app.admission.auth import Authenticator
 from app.settings import Settings
 from scripts import gen_prometheusrule
 from scripts.vllm_worker import TINY_LLAMA_HARDWARE

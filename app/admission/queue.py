@@ -1,0 +1,420 @@
+"""SLO-aware admission: admit, queue or reject each request, highest tier first.
+
+Below saturation admission changes nothing: a request goes to the worker the router picks, at
+once. It acts only when no worker has room (:mod:`app.admission.room`: the worker says it is full, a
+limit learnt from latencies is reached, the slots kept for higher tiers are all that is left,
+or a lower tier's prompt would delay a higher tier's first token or stall its stream).
+
+When no worker has room, the request waits in one priority queue (higher tier first, earliest
+deadline first within a tier) as long as waiting can still meet its TTFT target (leaving, after
+the wait, the worker's recent time to first token), up to the tier's maximum wait. It is turned
+away at once, with 429 and a reason, when its prompt alone would miss the target on an idle
+worker (``prompt_too_long``), when the work queued ahead will not have left by its deadline at
+the rate queued work drains (``deadline_unreachable``; :mod:`app.admission.drain`), or when the
+queue is full (``queue_full``; a sheddable request of a lower tier is dropped instead, if there is
+one). A queued request whose deadline passes gets 503 (``queue_timeout``).
+
+Capacity freed by a finished request or a completed prefill wakes the dispatcher at once; a
+short periodic tick catches deadlines and predictions that change with time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+
+from app.admission.demand import TierDemand
+from app.admission.drain import DrainRate
+from app.admission.limits import Limits
+from app.admission.room import Room
+from app.api.errors import GatewayError, Overloaded, QueueTimeout, Shed, UpstreamUnavailable
+from app.api.outcome import Decision, Reason
+from app.fleet.lease import Choice, Lease
+from app.fleet.routing import RouteKey, Router
+from app.fleet.workers import Worker
+from app.observe.metrics import GatewayMetrics
+from app.observe.timing import Clock
+from app.settings import Settings, TierSpec
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.05
+_MAX_RETRY_AFTER_S = 60.0
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request's place in admission."""
+
+    tier: TierSpec
+    model: str
+    own_tokens: float
+    route: RouteKey
+    arrival: float
+    max_tokens: int | None = None
+    seq: int = 0
+    deadline: float = math.inf
+    future: asyncio.Future[Lease] | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[int, float, int]:
+        """Queue order: tier priority, then earliest deadline, then arrival."""
+        return (self.tier.priority, self.deadline, self.seq)
+
+
+class AdmissionController:
+    """Decides, for every request, whether it runs now, waits, or is turned away."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        router: Router,
+        limits: Limits,
+        metrics: GatewayMetrics,
+        clock: Clock,
+    ) -> None:
+        self._settings = settings
+        self._router = router
+        self._metrics = metrics
+        self._clock = clock
+        self._queue: list[Ticket] = []
+        self._keys: list[tuple[int, float, int]] = []
+        self._seq = itertools.count()
+        self._poked = False
+        self._ticker: asyncio.Task[None] | None = None
+        self.room = Room(settings, limits, TierDemand(clock, limits.tpot_aim), clock)
+        self.drain = DrainRate()
+
+    @property
+    def limits(self) -> Limits:
+        """The workers' learnt limits (the room's, which judges by them)."""
+        return self.room.limits
+
+    @property
+    def demand(self) -> TierDemand:
+        """What each tier is expected to need (the room's, which keeps slots by it)."""
+        return self.room.demand
+
+    def lease(self, choice: Choice, ticket: Ticket) -> Lease:
+        """Take a slot on ``choice.worker`` for ``ticket`` now."""
+        return Lease(
+            choice, ticket.tier.name, ticket.own_tokens, self._clock(), self._metrics,
+            ticket.max_tokens,
+        )  # fmt: skip
+
+    def _try(self, ticket: Ticket, now: float) -> Choice | None:
+        """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).
+
+        None when every worker is full. The predicted TTFT picks the worker but does not hold
+        a request back: under load the fitted prefill model was seen to overestimate, which
+        kept interactive requests queued while the workers had room. The measured-latency
+        limits and the workers' own signals are what keep TTFT and TPOT in bounds.
+        """
+        candidates = self._router.candidates(ticket.model)
+        n = len(candidates)
+        # Below saturation nothing is held back for higher tiers: see :meth:`_reserving`. Its
+        # slots are what the workers would run at the aim: the loads they were seen at are a
+        # lower bound, which would read bursts below saturation as saturation.
+        slots = sum(self.limits.proven_cap(w, at_aim=True) for w in candidates)
+        reserving = self._reserving(slots, now)
+        # Only tiers below the top keep to the prefill budget: the top tier skips the lookup.
+        top = ticket.tier.priority == self.room.top
+        # Requests of higher tiers queued in other gateway processes, as this process's own
+        # would be: ahead of this one, for the next slots of the workers they may run on.
+        elsewhere = 0 if top else self.demand.queued_elsewhere(ticket.model, ticket.tier, now)
+        yielded = math.ceil(elsewhere / max(n, 1))
+        full = frozenset(
+            w.label
+            for w in candidates
+            if self.room.full(
+                w,
+                ticket.tier,
+                n,
+                now,
+                reserving,
+                0.0 if top else self._uncached(ticket, w),
+                yielded,
+            )
+        )
+        if len(full) == n:
+            return None
+        return self._router.choose(ticket.model, ticket.own_tokens, ticket.route, full)
+
+    def _uncached(self, ticket: Ticket, worker: Worker) -> float:
+        """The prompt tokens of ``ticket`` that ``worker`` is not expected to have cached."""
+        prefix, tokens = ticket.route.prefix, ticket.own_tokens
+        if prefix is None:
+            return tokens
+        return tokens - self._router.cached_tokens(worker, prefix, tokens)
+
+    def _reserving(self, slots: int, now: float) -> bool:
+        """Whether lower tiers must leave slots free for higher ones on workers of ``slots``.
+
+        Only when the pool is expected to saturate: every tier's expected requests in, queued
+        or running (Little's law over the waits and holds as measured,
+        :meth:`app.admission.demand.TierDemand.expected_total`), add up to at least what the workers
+        may run. Below that every request fits, whatever its tier, and holding slots back would
+        only queue lower tiers on workers with room.
+        """
+        expected = self.demand.expected_total(now)
+        return expected > 0 and expected >= slots
+
+    def _min_service(self, ticket: Ticket) -> float:
+        """The prefill of the request's own prompt on the fastest worker: no wait shortens it.
+
+        The tokens the worker is not expected to have cached, at the fitted cost per token:
+        the line is learnt on those (routing predicts and records the uncached work), and a
+        cached prefix costs no prefill (docs/admission.md). Without the fitted intercept: the
+        line is learnt under load, where its intercept takes in the decode steps and queueing
+        a request met (seen: 1.0 s predicted for a 900-token prompt that an idle CPU worker
+        prefilled in 0.6 s), and refusing a prompt an idle worker would serve in time is the
+        error that costs most.
+        """
+        best = math.inf
+        for worker in self._router.candidates(ticket.model):
+            best = min(best, worker.latency.prefill.slope * self._uncached(ticket, worker))
+        return best
+
+    def _start_margin(self, ticket: Ticket, fastest: float, now: float) -> float:
+        """Time to leave, between leaving the queue and the TTFT target, for the first token.
+
+        On the best worker, the larger of the idle prefill (``fastest``) and its recent times
+        to first token (:attr:`app.fleet.workers.Worker.recent_ttft`, those of the last 10 s): under
+        load a request is prefilled behind others, and one dispatched later than this would
+        likely miss its target while holding a slot for its whole answer.
+        """
+        candidates = self._router.candidates(ticket.model)
+        return min(
+            (max(fastest, worker.recent_ttft.value(now)) for worker in candidates), default=fastest
+        )
+
+    # Admission ----------------------------------------------------------------------------
+
+    async def admit(self, ticket: Ticket) -> tuple[Lease, float]:
+        """``(a lease on the chosen worker, seconds spent queued)``; raises when turned away."""
+        tier = ticket.tier.name
+        try:
+            if not self._settings.admission:
+                choice = self._router.choose(ticket.model, ticket.own_tokens, ticket.route)
+                self._decide(ticket.tier, Decision.ADMITTED)
+                return self.lease(choice, ticket), 0.0
+            now = self._clock()
+            self.demand.arrived(ticket.tier.priority, now)
+            self.limits.arrived(ticket.tier, now)
+            fastest = self._min_service(ticket)
+            if fastest > ticket.tier.ttft_slo_s:
+                # Even an idle worker would miss the target: no wait helps, a lower tier would.
+                raise self._refuse(
+                    ticket,
+                    Reason.PROMPT_TOO_LONG,
+                    f"This prompt is predicted to take {fastest:.1f} s to its first token, over "
+                    f"the '{tier}' tier's {ticket.tier.ttft_slo_s:g} s target; use a lower tier.",
+                )
+            if not self._waiting_ahead(ticket) and not self.demand.yields(ticket.tier, now):
+                room = self._try(ticket, now)
+                if room is not None:
+                    self._decide(ticket.tier, Decision.ADMITTED)
+                    self.demand.waited(ticket.tier.priority, 0.0)
+                    return self.lease(room, ticket), 0.0
+            margin = self._start_margin(ticket, fastest, now)
+        except UpstreamUnavailable:
+            self._decide(ticket.tier, Decision.REJECTED, Reason.NO_WORKER, shortage=False)
+            raise
+        latest_start = ticket.arrival + ticket.tier.ttft_slo_s - margin
+        ticket.deadline = min(ticket.arrival + ticket.tier.max_queue_wait_s, latest_start)
+        # Waiting only to be told no at the deadline helps nobody: if the work ahead of it,
+        # at the rate queued work drains, will not be gone by then, say so now.
+        if ticket.deadline <= now or now + self._expected_wait(ticket, now) > ticket.deadline:
+            raise self._refuse(
+                ticket,
+                Reason.DEADLINE_UNREACHABLE,
+                f"The gateway cannot meet the '{tier}' tier's {ticket.tier.ttft_slo_s:g} s "
+                "time-to-first-token target now; retry later or use a lower tier.",
+            )
+        if len(self._queue) >= self._settings.max_queue_length and not self._shed_for(ticket):
+            raise self._refuse(ticket, Reason.QUEUE_FULL, "The admission queue is full.")
+        return await self._wait(ticket, now)
+
+    def _refuse(self, ticket: Ticket, reason: Reason, message: str) -> Overloaded:
+        shortage = reason is not Reason.PROMPT_TOO_LONG
+        self._decide(ticket.tier, Decision.REJECTED, reason, shortage=shortage)
+        return Overloaded(message, self._retry_after(ticket), reason=reason)
+
+    async def _wait(self, ticket: Ticket, now: float) -> tuple[Lease, float]:
+        ticket.seq = next(self._seq)
+        future = ticket.future = asyncio.get_running_loop().create_future()
+        self._insert(ticket)
+        self._decide(ticket.tier, Decision.QUEUED)
+        self._ensure_ticker()
+        try:
+            lease = await future
+        except asyncio.CancelledError:
+            if ticket in self._queue:
+                self._remove(ticket)
+                self._decide(ticket.tier, Decision.CANCELLED)
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                # Dispatched, but its request was cancelled before it could run: give back.
+                future.result().release(self._clock())
+            self.poke()
+            raise
+        waited = self._clock() - now
+        self.demand.waited(ticket.tier.priority, waited)
+        self._metrics.queue_wait.labels(ticket.tier.name).observe(waited)
+        return lease, waited
+
+    def _waiting_ahead(self, ticket: Ticket) -> bool:
+        """Whether a queued request of the same model and at least this tier waits already."""
+        priority, queued = ticket.tier.priority, self.demand.queued
+        return any(n for (model, p), n in queued.items() if model == ticket.model and p <= priority)
+
+    def _shed_for(self, ticket: Ticket) -> bool:
+        """Drop the least urgent sheddable request of a lower tier, if there is one.
+
+        Walks the queue, but only when it is full: not on the path of a request with room.
+        """
+        victims = [
+            t for t in self._queue if t.tier.sheddable and t.tier.priority > ticket.tier.priority
+        ]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda t: t.key)
+        self._remove(victim)
+        self._decide(victim.tier, Decision.SHED, Reason.SHED)
+        if victim.future is not None and not victim.future.done():
+            victim.future.set_exception(
+                Shed(
+                    "This request was shed to make room for more urgent work; retry later.",
+                    self._retry_after(victim),
+                )
+            )
+        return True
+
+    # Dispatch -----------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Capacity may have freed up: run the dispatcher soon (once, however often poked)."""
+        if self._queue and not self._poked:
+            self._poked = True
+            asyncio.get_running_loop().call_soon(self._dispatch)
+
+    def completed(
+        self, tier: str, held_s: float, decode_s: float = 0.0, decoded: float = 0.0
+    ) -> None:
+        """A request of ``tier`` left its worker after holding a slot for ``held_s`` seconds.
+
+        Counted for the drain rate and the tier's expected demand; then dispatch. ``decode_s``
+        of the hold went to ``decoded`` tokens after the first.
+        """
+        self.demand.held(self.room.priorities[tier], held_s, decode_s, decoded)
+        self.drain.completed(self._clock())
+        self.poke()
+
+    def _dispatch(self) -> None:
+        self._poked = False
+        now = self._clock()
+        blocked: set[str] = set()
+        for ticket in list(self._queue):
+            future = ticket.future
+            if future is None or future.done():
+                self._remove(ticket)
+                continue
+            if ticket.deadline <= now:
+                self._remove(ticket)
+                self._decide(ticket.tier, Decision.EXPIRED, Reason.QUEUE_TIMEOUT)
+                self.demand.waited(ticket.tier.priority, now - ticket.arrival)
+                future.set_exception(
+                    QueueTimeout(
+                        f"The request waited {now - ticket.arrival:.2f} s in the '"
+                        f"{ticket.tier.name}' queue without capacity to meet its SLO.",
+                        self._retry_after(ticket),
+                    )
+                )
+                continue
+            # Strict priority within a model: nobody overtakes a blocked request of its model.
+            if ticket.model in blocked or self.demand.yields(ticket.tier, now):
+                continue
+            try:
+                choice = self._try(ticket, now)
+            except GatewayError:
+                choice = None  # no healthy worker right now: wait for one until the deadline
+            if choice is None:
+                blocked.add(ticket.model)
+                continue
+            self._remove(ticket)
+            # The lease takes the slot now, so the next request in this same pass sees it.
+            self._decide(ticket.tier, Decision.ADMITTED)
+            future.set_result(self.lease(choice, ticket))
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="admission")
+
+    async def _tick(self) -> None:
+        while self._queue:
+            nearest = min(t.deadline for t in self._queue)
+            await asyncio.sleep(max(0.0, min(_TICK_S, nearest - self._clock())))
+            self._dispatch()
+
+    async def stop(self) -> None:
+        """Stop the ticker; queued requests are failed by their own cancellation."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    # Bookkeeping --------------------------------------------------------------------------
+
+    def _insert(self, ticket: Ticket) -> None:
+        index = bisect.bisect(self._keys, ticket.key)
+        self._keys.insert(index, ticket.key)
+        self._queue.insert(index, ticket)
+        self.demand.queued[(ticket.model, ticket.tier.priority)] += 1
+        self._metrics.queue_depth.labels(ticket.tier.name).inc()
+        if len(self._queue) == 1:
+            self.drain.backlogged(True, self._clock())
+
+    def _remove(self, ticket: Ticket) -> None:
+        index = bisect.bisect_left(self._keys, ticket.key)
+        del self._queue[index]
+        del self._keys[index]
+        self.demand.queued[(ticket.model, ticket.tier.priority)] -= 1
+        self._metrics.queue_depth.labels(ticket.tier.name).dec()
+        if not self._queue:
+            self.drain.backlogged(False, self._clock())
+
+    def _decide(
+        self,
+        tier: TierSpec,
+        decision: Decision,
+        reason: Reason = Reason.NONE,
+        shortage: bool = True,
+    ) -> None:
+        self._metrics.decide(tier.name, decision, reason)
+        if shortage and decision in (Decision.REJECTED, Decision.EXPIRED):
+            # Capacity is short for this tier: lower tiers yield for a while.
+            self.demand.short(tier.priority, self._clock())
+
+    def _ahead(self, ticket: Ticket) -> int:
+        """Queued requests that go before ``ticket`` (its tier and higher), plus itself."""
+        priority = ticket.tier.priority
+        return 1 + sum(n for (_, p), n in self.demand.queued.items() if p <= priority)
+
+    def _expected_wait(self, ticket: Ticket, now: float) -> float:
+        """Seconds until the requests queued ahead of ``ticket``, and then it, get a slot.
+
+        Zero while the drain rate is unknown (no evidence of a wait yet).
+        """
+        rate = self.drain.rate(now)
+        return 0.0 if rate <= 0 else self._ahead(ticket) / rate
+
+    def _retry_after(self, ticket: Ticket) -> float:
+        """When capacity for this request is likely: the work ahead of it over the drain rate."""
+        rate = self.drain.rate(self._clock())
+        if rate <= 0:
+            return min(_MAX_RETRY_AFTER_S, ticket.tier.max_queue_wait_s)
+        return min(_MAX_RETRY_AFTER_S, max(0.1, self._ahead(ticket) / rate))

@@ -1,0 +1,388 @@
+"""The endpoints the gateway relays by model, and the request fields it reads from each.
+
+Every endpoint is described once, in :data:`_SPECS`: the paths it answers (vLLM's aliases
+included), what it costs a worker (:class:`Cost`: a prefill and a decode, a prefill alone, or
+nothing of the engine's), how its streamed output events are recognised (:class:`Events`), and
+its body's format. The routes, the relay, admission's ticket and the recorder read these
+properties; no endpoint has a handler of its own.
+
+The gateway reads only the fields it acts on (``model``, ``stream``, ``stream_options``,
+``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``, ``n``, ``user``) and checks
+that chat requests carry a ``messages`` list; everything else is the worker's to judge. The
+fields are typed as vLLM types them (``vllm/entrypoints/openai/*/protocol.py``, pydantic's
+default lax mode), so the gateway accepts whatever vLLM accepts: ``"max_tokens": 4.0`` or
+``"4"``, ``"stream": "false"`` or ``0``, ``"include_usage": "yes"``, and a missing ``model``
+(see :meth:`app.fleet.routing.Router.default_model`). Unknown fields (vLLM extensions such as
+``ignore_eos`` or ``top_k``) are allowed, and the body forwarded to the worker is the client's
+own bytes, changed only as :meth:`ParsedRequest.upstream_body` says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from app.api.errors import InvalidRequest
+
+
+class Cost(Enum):
+    """What a request of an endpoint costs a worker's engine, as admission counts it."""
+
+    DECODE = "decode"
+    """A prefill, then a decode of up to ``max_tokens``: the generation endpoints."""
+    PREFILL = "prefill"
+    """A prefill and no decode: embeddings, score, rerank, pooling."""
+    NONE = "none"
+    """No engine work: the worker's tokenizer answers. Not admitted, queued or SLO-judged."""
+
+
+class Events(Enum):
+    """How a streamed answer's events are read (:mod:`app.api.sse`)."""
+
+    CHAT = "chat"
+    """OpenAI chunks (``choices[].delta``), a usage chunk, then ``data: [DONE]``."""
+    RESPONSES = "responses"
+    """The Responses API's typed events; output is a ``response.*.delta``, and the stream ends
+    with ``response.completed`` (or ``incomplete``), which carries the usage."""
+
+
+class Endpoint(StrEnum):
+    """The endpoints the gateway relays by model; the value is the metrics label."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    RESPONSES = "responses"
+    EMBEDDINGS = "embeddings"
+    SCORE = "score"
+    RERANK = "rerank"
+    POOLING = "pooling"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    TRANSCRIPTIONS = "transcriptions"
+
+    @property
+    def path(self) -> str:
+        """The endpoint's main path (the worker is sent the path the client used)."""
+        return _SPECS[self].paths[0]
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every path of the endpoint: the main one, then vLLM's aliases."""
+        return _SPECS[self].paths
+
+    @property
+    def cost(self) -> Cost:
+        """What one request costs the worker's engine."""
+        return _SPECS[self].cost
+
+    @property
+    def events(self) -> Events:
+        """How its streamed events are recognised (only read when a request streams)."""
+        return _SPECS[self].events
+
+    @property
+    def form(self) -> bool:
+        """Whether its body is ``multipart/form-data`` (an upload) rather than JSON."""
+        return _SPECS[self].form
+
+    @property
+    def judged(self) -> bool:
+        """Whether its requests count towards the tiers' SLOs (``gateway_slo_requests_total``).
+
+        Everything the engine works on: generation is judged on TTFT and TPOT (or its whole
+        latency against the budget they allow), a prefill-only request on its whole latency
+        against the TTFT target. The tokenizer's answers are not.
+        """
+        return _SPECS[self].cost is not Cost.NONE
+
+    @property
+    def prioritised(self) -> bool:
+        """Whether vLLM reads a ``priority`` from its requests: every JSON engine endpoint."""
+        spec = _SPECS[self]
+        return not spec.form and spec.cost is not Cost.NONE
+
+    @property
+    def chunks(self) -> bool:
+        """Whether its answers are chat or text completions (``system_fingerprint``, usage)."""
+        return self is Endpoint.CHAT or self is Endpoint.COMPLETIONS
+
+
+# Token counts beyond any context window (vLLM's limits are int32): a 400, never an overflow.
+# Lax like vLLM's ``int``: 4, 4.0 and "4" are all 4; 4.5 and "four" are not.
+TokenCount = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# vLLM bounds its integer fields to int64 or less; beyond that no worker accepts them either.
+_Count = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+_PRIORITY: TypeAdapter[int] = TypeAdapter(_Count)
+# A JSON \u escape of a UTF-16 surrogate: the only way a decoded body can hold text that does
+# not encode back to UTF-8 (a lone surrogate), which the worker's request would then fail on.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: the two flags that decide which chunks carry ``usage``."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Fields(BaseModel):
+    """The fields every relayed request may carry."""
+
+    model_config = ConfigDict(extra="allow")
+
+    # vLLM serves its first model when ``model`` is missing, null or empty.
+    model: str | None = None
+    user: str | None = None
+
+
+class _GenerationRequest(_Fields):
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    n: _Count | None = 1
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Any]
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions`` (vLLM also takes ``prompt_embeds`` instead of ``prompt``)."""
+
+
+class ResponsesRequest(_Fields):
+    """``POST /v1/responses`` (its usage always comes with the answer: nothing is added)."""
+
+    stream: bool | None = False
+    max_output_tokens: TokenCount | None = None
+
+
+class PoolingRequest(_Fields):
+    """Embeddings, score, rerank, pooling, tokenize, detokenize: never streamed."""
+
+
+class TranscriptionRequest(_Fields):
+    """``POST /v1/audio/transcriptions``: its form's text fields (strings, read laxly)."""
+
+    stream: bool | None = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    paths: tuple[str, ...]
+    cost: Cost
+    fields: type[_Fields]
+    events: Events = Events.CHAT
+    form: bool = False
+
+
+# vLLM 0.32 serves score at /score and /v1/score, rerank at /rerank, /v1/rerank and /v2/rerank.
+_SPECS: dict[Endpoint, _Spec] = {
+    Endpoint.CHAT: _Spec(("/v1/chat/completions",), Cost.DECODE, ChatCompletionRequest),
+    Endpoint.COMPLETIONS: _Spec(("/v1/completions",), Cost.DECODE, CompletionRequest),
+    Endpoint.RESPONSES: _Spec(
+        ("/v1/responses",), Cost.DECODE, ResponsesRequest, events=Events.RESPONSES
+    ),
+    Endpoint.EMBEDDINGS: _Spec(("/v1/embeddings",), Cost.PREFILL, PoolingRequest),
+    Endpoint.SCORE: _Spec(("/v1/score", "/score"), Cost.PREFILL, PoolingRequest),
+    Endpoint.RERANK: _Spec(("/v1/rerank", "/rerank", "/v2/rerank"), Cost.PREFILL, PoolingRequest),
+    Endpoint.POOLING: _Spec(("/pooling",), Cost.PREFILL, PoolingRequest),
+    Endpoint.TOKENIZE: _Spec(("/tokenize",), Cost.NONE, PoolingRequest),
+    Endpoint.DETOKENIZE: _Spec(("/detokenize",), Cost.NONE, PoolingRequest),
+    # Speech to text decodes text (streamed like chat chunks); its prompt is audio, which the
+    # gateway does not size (:attr:`ParsedRequest.size` counts the form's text fields only).
+    Endpoint.TRANSCRIPTIONS: _Spec(
+        ("/v1/audio/transcriptions",), Cost.DECODE, TranscriptionRequest, form=True
+    ),
+}
+
+ENDPOINT_PATHS: dict[str, Endpoint] = {
+    path: endpoint for endpoint in Endpoint for path in endpoint.paths
+}
+"""Every path the gateway relays by model (``POST``), to its endpoint."""
+
+
+class Upload:
+    """A ``multipart/form-data`` body as the client sent it: its chunks, kept once, in order.
+
+    Held (not joined) so that it is in memory once, and can be sent again on failover.
+    """
+
+    __slots__ = ("chunks", "content_type", "size")
+
+    def __init__(self, chunks: list[bytes], content_type: str) -> None:
+        self.chunks = chunks
+        self.content_type = content_type
+        self.size = sum(len(chunk) for chunk in chunks)
+
+
+class ParsedRequest:
+    """A validated request: the client's body plus the fields the gateway uses.
+
+    ``model`` is empty when the client named none; the route fills in the default. ``path`` is
+    the path the client used (one of the endpoint's), which the worker is sent too.
+    """
+
+    __slots__ = (
+        "body", "endpoint", "max_tokens", "model", "n", "path", "raw", "size", "stream",
+        "upload", "user", "wants_usage",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        fields: _Fields,
+        raw: bytes,
+        path: str | None = None,
+        upload: Upload | None = None,
+    ):
+        self.endpoint = endpoint
+        self.path = path or endpoint.path
+        self.body = body
+        self.raw = raw
+        self.upload = upload
+        # What the prompt's size is estimated from: the JSON body, or an upload's text fields.
+        self.size = len(raw)
+        self.user = fields.user
+        self.model = fields.model or ""
+        self.stream = bool(_declared(fields, "stream"))
+        self.max_tokens: int | None = (
+            _declared(fields, "max_completion_tokens")
+            or _declared(fields, "max_tokens")
+            or _declared(fields, "max_output_tokens")
+        )
+        self.n = max(1, _declared(fields, "n") or 1)
+        opts = _declared(fields, "stream_options")
+        # Only chat and text completions are asked for a usage chunk the client did not want;
+        # every other stream goes to the client exactly as the worker sent it.
+        self.wants_usage = not endpoint.chunks or bool(opts is not None and opts.include_usage)
+
+    def upstream_body(self, priority: int | None = None) -> bytes:
+        """The body to send the worker: the client's own bytes, unless something must change.
+
+        The gateway needs ``usage`` to count tokens. When a streaming client did not ask for it,
+        the worker is asked for the final usage chunk only (``include_usage``, and never
+        ``continuous_usage_stats``, which vLLM honours only together with ``include_usage``);
+        the relay then gives the client the stream vLLM would have sent it
+        (:mod:`app.relay.serve`). ``priority`` is vLLM's for the request's tier
+        (:meth:`app.settings.Settings.worker_priority_of`; None: left as the client sent it):
+        a client's own ``priority`` may put its request later, never earlier, as its
+        ``x-gateway-tier`` may only lower its tier. An upload (:attr:`upload`) goes as it came.
+        """
+        changes: dict[str, Any] = {}
+        if self.stream and not self.wants_usage:
+            opts = dict(self.body.get("stream_options") or {})
+            opts["include_usage"] = True
+            opts.pop("continuous_usage_stats", None)
+            changes["stream_options"] = opts
+        if priority is not None and self.endpoint.prioritised and self._overrides(priority):
+            changes["priority"] = priority
+        if not changes:
+            return self.raw
+        body = {**self.body, **changes}
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _overrides(self, priority: int) -> bool:
+        """Whether the tier's ``priority`` replaces the client's own ``priority`` field.
+
+        It does when the client sent none and the tier's is not vLLM's default 0, or sent one
+        earlier than its tier's, read as vLLM reads it (``"-5"`` and ``-5.0`` are -5: no
+        spelling goes ahead of the tier); one vLLM cannot read as an integer is left for its
+        own 400.
+        """
+        own = self.body.get("priority")
+        if own is None:
+            return priority != 0
+        try:
+            return priority > _PRIORITY.validate_python(own)
+        except ValidationError:
+            return False
+
+
+def _declared(fields: _Fields, name: str) -> Any:
+    """A field the endpoint's model declares, else None (never a same-named extra field)."""
+    return getattr(fields, name) if name in type(fields).model_fields else None
+
+
+def parse_form(
+    endpoint: Endpoint, fields: dict[str, str], upload: Upload, path: str
+) -> ParsedRequest:
+    """Check an upload's text fields (strings, read as vLLM's form model reads them)."""
+    try:
+        parsed = endpoint_fields(endpoint).model_validate(fields)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+    text = sum(len(name) + len(value) for name, value in fields.items())
+    request = ParsedRequest(endpoint, dict(fields), parsed, b"", path, upload)
+    request.size = text
+    return request
+
+
+def endpoint_fields(endpoint: Endpoint) -> type[_Fields]:
+    """The model of the fields the gateway reads from ``endpoint``'s requests."""
+    return _SPECS[endpoint].fields
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, path: str | None = None) -> ParsedRequest:
+    """Decode and check a request body; raise :class:`InvalidRequest` with the offending param."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(
+            f"Request body is not valid UTF-8 (byte {exc.start}).", code="invalid_utf8"
+        ) from exc
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"Request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).",
+            code="invalid_json",
+        ) from exc
+    except RecursionError as exc:
+        raise InvalidRequest(
+            "Request body is nested too deeply to be read.", code="invalid_json"
+        ) from exc
+    except ValueError as exc:  # a number too long to convert (Python's int digit limit)
+        raise InvalidRequest(
+            f"Request body has a number out of range: {exc}.", code="invalid_json"
+        ) from exc
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                "Request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff) that is no "
+                "character.",
+                code="invalid_unicode",
+            ) from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
+    try:
+        fields = _SPECS[endpoint].fields.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+    return ParsedRequest(endpoint, body, fields, raw, path)
+
+
+def _validation_error(exc: ValidationError) -> InvalidRequest:
+    first = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    if first["type"] == "missing":
+        return InvalidRequest(
+            f"Missing required parameter: '{param}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
+    return InvalidRequest(
+        f"Invalid type for '{param}': {first['msg']}.", param=param, code="invalid_type"
+    )

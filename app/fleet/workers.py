@@ -1,0 +1,564 @@
+"""The worker pool: who the workers are, whether they are healthy, how loaded they are.
+
+Background tasks keep it current: discovery (static list + DNS, and each worker's
+``/v1/models``), an active ``/health`` probe, and a ``/metrics`` scrape for load. Requests
+report their outcome back (passive health): consecutive failures eject a worker for a backoff
+that doubles on repeat; a worker that answers its probe after the backoff returns.
+
+Model cards are kept as the worker sent them (vLLM's ``root`` and ``max_model_len`` included),
+because benchmark clients read them from the gateway's ``/v1/models``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import httpx
+
+from app.api.outcome import LimitCut
+from app.fleet.discovery import Resolver, discover
+from app.fleet.limiter import ConcurrencyLimit, DecodePace
+from app.fleet.loadsignals import LoadSample, parse_load
+from app.fleet.predictor import LatencyModel, RecentQuantile, WorkerLoad
+from app.fleet.prefix import PrefixIndex
+from app.observe.looplag import fired_late
+from app.observe.metrics import OTHER_MODEL, GatewayMetrics
+from app.observe.timing import Clock
+from app.settings import Settings, WorkerSpec
+
+log = logging.getLogger(__name__)
+# Ejection backoff doubles at most this many times (far past any GATEWAY_EJECT_MAX_S).
+_MAX_DOUBLINGS = 32
+
+# How far past the strictest TPOT target a worker's pace closes its reading window early.
+_PACE_ALARM = 1.25
+
+
+class DecodingStream(Protocol):
+    """A request past its first output on a worker (its lease): a prefill there stalls it."""
+
+    tier: str
+
+    def stall_room(self, now: float, aim_s: float, typical: float | None) -> float:
+        """Seconds of stall it can take and still end within ``aim_s`` a token."""
+        ...
+
+
+class Worker:
+    """One vLLM worker and what the gateway knows about it."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        limit: ConcurrencyLimit | None = None,
+        prefill_limit: ConcurrencyLimit | None = None,
+    ) -> None:
+        self.spec = spec
+        self.label = spec.label
+        self.models: set[str] = set(spec.models)
+        self.cards: dict[str, dict[str, Any]] = {}
+        self.up = False
+        self.last_seen: float | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.tier_in_flight: Counter[str] = Counter()
+        """Of ``in_flight``, how many per tier (admission keeps capacity for higher tiers)."""
+        self.prefill_tokens_ahead = 0.0
+        self.tier_prefilling: Counter[str] = Counter()
+        """Of ``prefilling``, how many per tier (a lower tier's prompt waits for a higher one)."""
+        self.failures = 0
+        self.ejections = 0
+        self.ejected_until: float | None = None
+        self.last_ejected: float | None = None
+        self.load: LoadSample | None = None
+        self.latency = LatencyModel()
+        self.limit = limit or ConcurrencyLimit(initial=256, maximum=256)
+        """How many requests admission lets run here, steered by their measured TPOT."""
+        self.prefilling = 0
+        """Requests sent here that have not produced their first token yet."""
+        self.decoding: set[DecodingStream] = set()
+        """Leases of the requests here past their first output: a prefill stalls their decode."""
+        self.served_within_aim = 0.0
+        """The most it ran (a stream's mean load) with a stream's TPOT in half the aim to it."""
+        self.served_at_aim = 0.0
+        """Those loads scaled by the aim over the stream's TPOT: what would decode at the aim."""
+        self.floor_tpot = 0.0
+        """The fastest TPOT it is known to reach: its last lone stream's, or faster if seen
+        since (0: not measured). A target under it is out of reach (``Limits.targets``)."""
+        self.pace = DecodePace()
+        """The live gap between output events of its running streams (steers ``limit``)."""
+        self.recent_ttft = RecentQuantile(0.8)
+        """The 80th percentile of its last times to first token (dispatch to first output)."""
+        self.prefill_limit = prefill_limit or ConcurrencyLimit(initial=256, maximum=256)
+        """How many may be prefilling at once, steered by their measured time to first token."""
+        self.context_tokens = 0.0
+        """Running average of prompt + completion tokens per request (for the roofline)."""
+        self.own_at_scrape = 0
+        """``in_flight`` when ``load`` was read: the rest of what it counted is others'."""
+        self.fleet_others = 0.0
+        """Requests the fleet's other gateway processes have open here, as last read from Redis."""
+        self.fleet_until = -math.inf
+        """Until when ``fleet_others`` counts (a reading goes stale when Redis is not read)."""
+        self.fleet_tiers: dict[str, int] = {}
+        """Of ``fleet_others``, how many per tier (as ``tier_in_flight`` is of ``in_flight``)."""
+        self.fingerprint: bytes | None = None
+        """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
+        self.prefixes = PrefixIndex()
+        """Prompt prefixes recently routed here (``prefix_aware`` routing)."""
+        self.probing: set[str] = set()
+        """The kinds of probe running against it now (the pool runs one of each at a time)."""
+        self._occupancy = 0.0
+        self._occupancy_at = 0.0
+
+    def occupancy(self, now: float) -> float:
+        """Request-seconds run here up to ``now``: ``in_flight`` integrated over time.
+
+        Two readings give the mean number of requests a stream shared the worker with.
+        """
+        return self._occupancy + self.in_flight * (now - self._occupancy_at)
+
+    def prefill_seconds(self, tokens: float) -> float:
+        """Seconds the prompts prefilling here and one of ``tokens`` more take to prefill.
+
+        At the learnt rate per uncached token, without the fitted intercept
+        (:meth:`app.admission.queue.AdmissionController._min_service` says why).
+        """
+        return self.latency.prefill.slope * (self.prefill_tokens_ahead + tokens)
+
+    def add_in_flight(self, delta: int, now: float) -> None:
+        """Count ``delta`` requests in (or out of) ``in_flight`` at ``now``."""
+        self._occupancy = self.occupancy(now)
+        self._occupancy_at = now
+        self.in_flight += delta
+
+    def others(self, now: float, max_age: float) -> float:
+        """Requests on the worker that are not this gateway process's.
+
+        The larger of two views. From a fresh load sample: running and waiting as the worker
+        counted them, less what this process had in flight then (other processes', other
+        replicas' and any other client's requests). Requests this process dispatched or
+        finished since are in ``in_flight`` already, so ``in_flight + others`` is the scrape
+        plus the credit of what changed since (a stale scrape cannot over-admit). And, with
+        shared state (:mod:`app.admission.shared`), what the fleet's other gateway processes have
+        open here now, read within a sync or two: fresher than a scrape, but blind to clients that
+        bypass the gateway. Neither alone undercounts what it sees.
+        """
+        fleet = self.fleet_others if now <= self.fleet_until else 0.0
+        sample = self.load
+        if sample is None or now - sample.at > max_age:
+            return fleet
+        return max(fleet, sample.running + sample.waiting - self.own_at_scrape)
+
+    def set_fleet_others(
+        self, others: float, now: float, fresh_s: float, tiers: dict[str, int]
+    ) -> None:
+        """The fleet's other gateway processes have ``others`` requests open here (read now).
+
+        ``tiers``: how many of them per tier.
+        """
+        self.fleet_others = others
+        self.fleet_tiers = tiers
+        self.fleet_until = now + fresh_s
+
+    def fleet_tier_in_flight(self, now: float) -> dict[str, int]:
+        """The fleet's other processes' requests here per tier; empty when the reading is stale."""
+        return self.fleet_tiers if now <= self.fleet_until else {}
+
+    def saturated(self, now: float, max_age: float, waiting: float, kv_cache: float) -> bool:
+        """Whether the worker says it is full (fresh figures only).
+
+        ``waiting`` or more requests held back for capacity, or its KV cache at least
+        ``kv_cache`` used.
+        """
+        sample = self.load
+        if sample is None or now - sample.at > max_age:
+            return False
+        held = sample.capacity_waiting
+        return (held is not None and held >= waiting) or sample.kv_cache_usage >= kv_cache
+
+    def kv_fit(self) -> float:
+        """How many requests of the typical size (prompt + answer) the KV cache holds."""
+        sample = self.load
+        if sample is None or sample.kv_tokens is None or self.context_tokens <= 0:
+            return math.inf
+        return sample.kv_tokens / self.context_tokens
+
+    @property
+    def discovered(self) -> bool:
+        """Whether ``/v1/models`` has been read from this worker at least once."""
+        return bool(self.cards)
+
+    def ejected(self, now: float) -> bool:
+        """Whether passive health has taken the worker out of rotation at ``now``."""
+        return self.ejected_until is not None and now < self.ejected_until
+
+    def healthy(self, now: float) -> bool:
+        """Whether new requests may go to this worker."""
+        return self.up and not self.draining and not self.ejected(now)
+
+    def current_load(self, now: float, max_age: float) -> tuple[WorkerLoad, bool]:
+        """The load a request would meet here, and whether the worker's own figures are fresh.
+
+        The gateway's own counts are exact for its traffic; the worker's scraped figures also
+        cover other gateway replicas. The larger of the two is taken.
+        """
+        sample = self.load
+        fresh = sample is not None and now - sample.at <= max_age
+        running = float(self.in_flight)
+        ahead = self.prefill_tokens_ahead
+        waiting = 0.0
+        if sample is not None and fresh:
+            running = max(running, sample.running)
+            waiting = sample.waiting
+        return WorkerLoad(ahead, running, waiting), fresh
+
+
+class WorkerPool:
+    """All workers, kept current by background tasks, with passive health from requests."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        client: httpx.AsyncClient,
+        metrics: GatewayMetrics,
+        clock: Clock,
+        resolver: Resolver,
+    ) -> None:
+        self.settings = settings
+        self.workers: dict[str, Worker] = {}
+        self._client = client
+        self._metrics = metrics
+        self._clock = clock
+        self._resolver = resolver
+        self._tasks: list[asyncio.Task[None]] = []
+        for spec in settings.workers:
+            self._add(spec)
+
+    # Membership ---------------------------------------------------------------------------
+
+    def _add(self, spec: WorkerSpec) -> Worker:
+        settings = self.settings
+        most = settings.max_running_per_worker
+        # Both limits start at what a worker can run at most and come down only on evidence
+        # (latency over target, or the worker holding requests back): a low start turned
+        # away bursts an idle worker would have served.
+        limit = ConcurrencyLimit(initial=settings.initial_running_per_worker or most, maximum=most)
+        prefill_limit = ConcurrencyLimit(initial=most, maximum=most)
+        worker = Worker(spec, limit, prefill_limit)
+        target = settings.strictest_tpot_s
+        if target is not None:
+            # A surge that slows every stream a quarter past the target is read within a second.
+            worker.pace.alarm = _PACE_ALARM * target
+        self.workers[worker.label] = worker
+        self._metrics.worker_up.labels(worker.label).set(0)
+        self._metrics.worker_ejected.labels(worker.label).set(0)
+        # Counters start at 0 so that rate() and increase() see a series before the first event.
+        for counter in (
+            self._metrics.worker_ejections,
+            self._metrics.worker_failovers,
+            self._metrics.worker_routed,
+            self._metrics.worker_completion_tokens,
+            self._metrics.worker_prefix_queries,
+            self._metrics.worker_prefix_hits,
+        ):
+            counter.labels(worker.label)
+        for cause in LimitCut:
+            self._metrics.worker_limit_cuts.labels(worker.label, cause)
+        for model in worker.models:
+            self._metrics.start_model(model)
+        log.info("worker %s added (%s)", worker.label, spec.base_url)
+        return worker
+
+    def _remove_drained(self) -> None:
+        for label in [w.label for w in self.workers.values() if w.draining and not w.in_flight]:
+            del self.workers[label]
+            self._metrics.forget_worker(label)
+            log.info("worker %s removed", label)
+
+    async def rediscover(self) -> None:
+        """Apply the current worker list: add new ones, drain the ones that left."""
+        try:
+            specs = await discover(self.settings, self._resolver)
+        except OSError as exc:
+            log.warning("worker discovery failed, keeping the current workers: %s", exc)
+            return
+        current = {spec.label: spec for spec in specs}
+        for label, spec in current.items():
+            worker = self.workers.get(label)
+            if worker is None:
+                self._add(spec)
+            elif worker.draining:
+                worker.draining = False
+                log.info("worker %s is back in discovery", label)
+        for label, worker in self.workers.items():
+            if label not in current and not worker.draining:
+                worker.draining = True
+                log.info(
+                    "worker %s left discovery: draining %d request(s)", label, worker.in_flight
+                )
+        self._remove_drained()
+
+    # Queries ------------------------------------------------------------------------------
+
+    def served_models(self) -> set[str]:
+        """Every model some worker serves (or is configured to serve)."""
+        return {model for worker in self.workers.values() for model in worker.models}
+
+    def model_label(self, model: str) -> str:
+        """``model`` if a worker serves it, else ``other``: keeps the label's values bounded."""
+        for worker in self.workers.values():
+            if model in worker.models:
+                return model
+        return OTHER_MODEL
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The union of the workers' model cards, one per model id."""
+        cards: dict[str, dict[str, Any]] = {}
+        for worker in self.workers.values():
+            for model_id, card in worker.cards.items():
+                cards.setdefault(model_id, card)
+            for model_id in worker.models:
+                cards.setdefault(model_id, {"id": model_id, "object": "model", "owned_by": "vllm"})
+        return sorted(cards.values(), key=lambda card: str(card.get("id")))
+
+    def ready(self) -> bool:
+        """Whether any worker is healthy."""
+        now = self._clock()
+        return any(worker.healthy(now) for worker in self.workers.values())
+
+    def now(self) -> float:
+        """The pool's clock."""
+        return self._clock()
+
+    def export(self) -> None:
+        """Refresh the gauges that depend on time or on several figures (before an export)."""
+        now = self._clock()
+        self._metrics.set_load_age(now)
+        self._metrics.workers_known.set(len(self.workers))
+        self._metrics.workers_healthy.set(sum(1 for w in self.workers.values() if w.healthy(now)))
+        index_bytes = 0
+        for worker in self.workers.values():
+            index_bytes += worker.prefixes.nbytes()
+            self._metrics.worker_prefix_blocks.labels(worker.label).set(len(worker.prefixes))
+            hardware = worker.spec.hardware or self.settings.hardware
+            if hardware is not None:
+                self._metrics.set_hardware(worker.label, hardware)
+                load, _ = worker.current_load(now, self.settings.load_max_age_s)
+                # Sequences are on average half-way through their answers.
+                context = max(1.0, worker.context_tokens / 2)
+                self._metrics.set_roofline(worker.label, hardware, load.running, context)
+        self._metrics.prefix_index_bytes.set(index_bytes)
+
+    def record_tokens(self, worker: Worker, prompt: int, completion: int) -> None:
+        """Learn a worker's typical context length from a finished request's usage."""
+        total = float(prompt + completion)
+        old = worker.context_tokens
+        worker.context_tokens = total if old == 0 else old + 0.05 * (total - old)
+
+    # Passive health -----------------------------------------------------------------------
+
+    def report_success(self, worker: Worker) -> None:
+        """A request got its first byte from ``worker``."""
+        worker.failures = 0
+        now = self._clock()
+        if (
+            worker.last_ejected is not None
+            and now - worker.last_ejected > self.settings.eject_max_s
+        ):
+            worker.ejections = 0
+
+    def report_failure(self, worker: Worker, reason: str, sent_at: float | None = None) -> None:
+        """A request sent at ``sent_at`` failed on ``worker`` before its first byte.
+
+        A request sent before the worker's last ejection does not count: it failed of what
+        ejected the worker, one fault however many requests were in flight (at 9,800 streams
+        ramping up, connects that timed out together ejected four workers 2,180 times, each
+        for the longest backoff).
+        """
+        last = worker.last_ejected
+        if sent_at is not None and last is not None and sent_at <= last:
+            return
+        worker.failures += 1
+        if worker.failures < self.settings.eject_after_failures:
+            return
+        now = self._clock()
+        worker.failures = 0
+        worker.ejections += 1
+        # The exponent is capped: requests already in flight keep failing after an ejection and
+        # count further ejections, and 2 ** 1,024 is no float (a 5,000-stream burst got there).
+        backoff = min(
+            self.settings.eject_max_s,
+            self.settings.eject_base_s * 2.0 ** min(worker.ejections - 1, _MAX_DOUBLINGS),
+        )
+        worker.ejected_until = now + backoff
+        worker.last_ejected = now
+        self._metrics.worker_ejections.labels(worker.label).inc()
+        self._metrics.worker_ejected.labels(worker.label).set(1)
+        self._metrics.worker_up.labels(worker.label).set(0)
+        log.warning("worker %s ejected for %.1f s after repeated %s", worker.label, backoff, reason)
+
+    # Probes -------------------------------------------------------------------------------
+
+    async def _get(self, worker: Worker, path: str, limit_s: float) -> httpx.Response:
+        spec = worker.spec
+        headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        response = await self._client.get(
+            f"{spec.base_url}{path}", headers=headers, timeout=limit_s
+        )
+        response.raise_for_status()
+        return response
+
+    async def _once(self, worker: Worker, what: str, probe: Callable[[], Awaitable[None]]) -> None:
+        # A slow worker must not pile up probes of the same kind.
+        if what in worker.probing:
+            return
+        worker.probing.add(what)
+        try:
+            await probe()
+        finally:
+            worker.probing.discard(what)
+
+    async def probe_models(self, worker: Worker) -> None:
+        """Read ``/v1/models`` from ``worker``."""
+        started = asyncio.get_running_loop().time()
+        try:
+            response = await self._get(worker, "/v1/models", self.settings.connect_timeout_s)
+            payload = response.json()
+            cards = {str(card["id"]): card for card in payload["data"] if isinstance(card, dict)}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            self._probe_failed(worker, exc, started)
+            return
+        worker.cards = cards
+        worker.models = set(cards) | set(worker.spec.models)
+        for model in worker.models:
+            self._metrics.start_model(model)
+        self._set_up(worker, True, None)
+
+    async def probe_health(self, worker: Worker) -> None:
+        """Probe ``/health``; a worker whose models are unknown also gets ``/v1/models`` read."""
+        if not worker.discovered:
+            await self.probe_models(worker)
+            return
+        started = asyncio.get_running_loop().time()
+        try:
+            await self._get(worker, "/health", self.settings.connect_timeout_s)
+        except httpx.HTTPError as exc:
+            self._probe_failed(worker, exc, started)
+        else:
+            self._set_up(worker, True, None)
+
+    def _probe_failed(self, worker: Worker, error: BaseException, started: float) -> None:
+        """A probe started at ``started`` (loop time) failed: the worker is down.
+
+        Unless the probe timed out late, of the gateway's own busy loop
+        (:func:`app.observe.looplag.fired_late`): that says nothing of the worker.
+        """
+        timeout = self.settings.connect_timeout_s
+        now = asyncio.get_running_loop().time()
+        if isinstance(error, httpx.TimeoutException) and fired_late(started, now, timeout):
+            log.info(
+                "probe of worker %s timed out %.1f s late: the gateway was busy, the worker's "
+                "state is kept", worker.label, now - started - timeout,
+            )  # fmt: skip
+            return
+        self._set_up(worker, False, error)
+
+    async def scrape_load(self, worker: Worker) -> None:
+        """Read the worker's load from its ``/metrics``."""
+        timeout = max(self.settings.load_interval_s, 0.25)
+        own = worker.in_flight
+        try:
+            response = await self._get(worker, "/metrics", timeout)
+            sample = parse_load(response.text, self._clock())
+        except (httpx.HTTPError, ValueError):
+            return  # the sample ages and counts as busy; health is the probe's business
+        worker.load = sample
+        worker.own_at_scrape = min(own, worker.in_flight)
+        held = sample.capacity_waiting
+        # A worker that runs all it can and queues the rest: its limit is what it runs.
+        saturated = held is not None and held >= self.settings.saturation_waiting
+        if saturated and worker.limit.hold(sample.running, sample.at):
+            self._metrics.limit_cut(worker.label, LimitCut.WORKER_QUEUEING)
+        self._metrics.record_load(
+            worker.label, sample.running, sample.waiting, sample.kv_cache_usage, sample.at
+        )
+
+    def _set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:
+        if up and not worker.up:
+            log.info("worker %s is up, serving %s", worker.label, sorted(worker.models))
+            # Back from being unreachable, perhaps restarted: its prefix cache may be empty.
+            worker.prefixes.clear()
+        elif not up and (worker.up or worker.last_seen is None):
+            log.warning("worker %s is not answering: %s", worker.label, _describe(error))
+        worker.up = up
+        now = self._clock()
+        if up:
+            worker.last_seen = now
+        ejected = worker.ejected(now)
+        self._metrics.worker_up.labels(worker.label).set(1 if up and not ejected else 0)
+        self._metrics.worker_ejected.labels(worker.label).set(1 if ejected else 0)
+
+    async def refresh(self) -> None:
+        """Run discovery and read every worker's ``/v1/models`` once."""
+        await self.rediscover()
+        await asyncio.gather(*(self.probe_models(w) for w in list(self.workers.values())))
+
+    async def _each(self, what: str, probe: Callable[[Worker], Awaitable[None]]) -> None:
+        await asyncio.gather(
+            *(self._once(w, what, functools.partial(probe, w)) for w in list(self.workers.values()))
+        )
+
+    async def _probe_all(self) -> None:
+        await self._each("health", self.probe_health)
+
+    async def _scrape_all(self) -> None:
+        await self._each("load", self.scrape_load)
+
+    async def start(self, first_wait: float) -> None:
+        """Discover and probe every worker (waiting at most ``first_wait``), then keep going."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.refresh()), first_wait)
+        s = self.settings
+        self._tasks = [
+            asyncio.create_task(
+                self._every(s.discovery_interval_s, self.refresh), name="discovery"
+            ),
+            asyncio.create_task(
+                self._every(s.probe_interval_s, lambda: self._each("health", self.probe_health)),
+                name="health-probe",
+            ),
+            asyncio.create_task(
+                self._every(s.load_interval_s, lambda: self._each("load", self.scrape_load)),
+                name="load-scrape",
+            ),
+        ]
+
+    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await job()
+            except Exception:  # a background job must survive anything one round throws
+                log.exception("background job failed; retrying next round")
+
+    async def stop(self) -> None:
+        """Stop the background tasks."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

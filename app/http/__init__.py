@@ -1,0 +1,8 @@
+"""The client side: the HTTP/1.1 server protocol, the request's arrival, trace and body.
+
+Owns the client's connection (:mod:`app.http.front`, :mod:`app.http.server`), the request id
+and the recording of what no relay records (:mod:`app.http.trace`), and reading a body within
+its limits (:mod:`app.http.body`). May import :mod:`app.api`, :mod:`app.observe`,
+:mod:`app.settings` and :mod:`app.shutdown`; it knows nothing of workers, admission or the
+relay, and reaches the running gateway only through hooks put in the lifespan's state.
+"""

@@ -1,0 +1,172 @@
+"""The end of a request, recorded in one place.
+
+Metrics, goodput, the key's allowance, what the worker's models learn, and the access-log line.
+
+Every request relayed by model that got as far as its route ends here exactly once, whether the
+relay served it or it was refused before (bad body, unknown key, key quota, no worker). Every other
+response is recorded by :meth:`Recorder.plain` (from :mod:`app.http.trace` and
+:mod:`app.http.server`), so that each response leaves one access-log line and one
+``gateway_requests_total`` count.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from app.admission.auth import Authenticator, Identity
+from app.admission.limits import Limits
+from app.api.errors import GatewayError, RateLimited, UpstreamUnavailable
+from app.api.outcome import Decision, Outcome, Reason
+from app.api.protocol import Endpoint, ParsedRequest
+from app.fleet.lease import Lease
+from app.fleet.predictor import PromptSizer
+from app.fleet.workers import WorkerPool
+from app.observe.goodput import GoodputTracker, judge
+from app.observe.metrics import GatewayMetrics
+from app.observe.timing import TimingSummary
+from app.settings import Settings, TierSpec
+
+log = logging.getLogger("app.access")
+
+# The endpoints whose requests count towards the tiers' SLOs (the tokenizer's do not).
+_JUDGED = frozenset(endpoint.value for endpoint in Endpoint if endpoint.judged)
+
+
+@dataclass(slots=True)
+class RequestEnd:
+    """What one finished request leaves behind."""
+
+    request_id: str
+    endpoint: str
+    model: str
+    """A bounded label: a served model or ``other``."""
+    tier: TierSpec
+    status: int
+    outcome: Outcome
+    timing: TimingSummary
+    waited_s: float
+    """Arrival to the end."""
+    tokens: tuple[int, int] | None = None
+    """``(prompt, completion)`` from the worker's usage."""
+    request: ParsedRequest | None = None
+    identity: Identity | None = None
+    charged_tokens: float = 0.0
+    """Tokens charged to the key's per-minute allowance up front (corrected here)."""
+    lease: Lease | None = None
+    """The last attempt's lease (released already)."""
+
+
+class Recorder:
+    """Records the end of every request (:meth:`finish`)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        goodput: GoodputTracker,
+        auth: Authenticator,
+        sizer: PromptSizer,
+        pool: WorkerPool,
+        limits: Limits,
+    ) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._goodput = goodput
+        self._auth = auth
+        self._sizer = sizer
+        self._pool = pool
+        self._limits = limits
+
+    def refused(self, end: RequestEnd, error: GatewayError) -> None:
+        """A request turned away before admission saw it: its key's quota, or no worker."""
+        if isinstance(error, RateLimited):
+            self._metrics.decide(end.tier.name, Decision.REJECTED, Reason.KEY_QUOTA)
+        elif isinstance(error, UpstreamUnavailable):
+            self._metrics.decide(end.tier.name, Decision.REJECTED, Reason.NO_WORKER)
+        self.finish(end)
+
+    def finish(self, end: RequestEnd) -> None:
+        """Record one finished request, whatever its outcome."""
+        metrics, tier, tokens, request = self._metrics, end.tier.name, end.tokens, end.request
+        metrics.count(end.model, tier, end.endpoint, end.status, end.outcome, tokens)
+        if end.identity is not None:
+            used = None if tokens is None else sum(tokens)
+            self._auth.release(end.identity, end.charged_tokens, used)
+        stream = request is not None and request.stream
+        max_tokens = None if request is None else request.max_tokens
+        completion = None if tokens is None else tokens[1]
+        # The tokenizer's answers are counted, but they are no service level: their latencies
+        # would only dilute the model's histograms, and the engine learns nothing from them.
+        judged = end.endpoint in _JUDGED
+        result = None
+        if judged:
+            # A prefill-only answer is not streamed and has no completion tokens: judged on its
+            # whole latency against the TTFT target (:func:`app.observe.goodput.judge`).
+            result = judge(
+                end.outcome, end.tier, end.timing, completion, stream, end.waited_s, max_tokens
+            )
+        if result is not None:
+            self._goodput.record(end.model, tier, result, completion)
+        if judged and end.outcome in (Outcome.OK, Outcome.CLIENT_CANCELLED) and request is not None:
+            metrics.observe(end.model, tier, end.timing, stream)
+            if end.lease is not None:
+                self._learn(end, end.lease, request)
+        if self._settings.access_log:
+            self._log(end)
+
+    def _learn(self, end: RequestEnd, lease: Lease, request: ParsedRequest) -> None:
+        """What the worker's models and limits learn from a served request."""
+        metrics, timing, tokens = self._metrics, end.timing, end.tokens
+        worker = lease.worker
+        metrics.worker_itl.labels(worker.label).observe_all(timing.itl_s)
+        if tokens is not None:
+            metrics.worker_completion_tokens.labels(worker.label).inc(tokens[1])
+            if request.upload is None:  # an upload's size is audio, not prompt text
+                self._sizer.observe(end.model, request.size, tokens[0])
+            self._pool.record_tokens(worker, *tokens)
+            worker.pace.observe_stream(tokens[1], timing.output_events)
+        if end.outcome is not Outcome.OK:
+            return
+        load = lease.decode_load
+        if timing.tpot_s is not None and load is not None:
+            worker.latency.observe_tpot(load, timing.tpot_s)
+        if request.stream:
+            # The prefill limit learnt from the first token when it came (the relay).
+            self._limits.learn(worker, timing.tpot_s, self._pool.now(), load)
+
+    def plain(
+        self, request_id: str, endpoint: str, status: int, outcome: Outcome, seconds: float
+    ) -> None:
+        """Record a response that is no generation request's (or one refused before its route).
+
+        It has no model or tier: both labels are empty, so per-tier series are not inflated by
+        probes and scrapes.
+        """
+        self._metrics.count("", "", endpoint, status, outcome, None)
+        if self._settings.access_log:
+            log.info(
+                _LINE, request_id, endpoint, "-", "-", "-", status, outcome, "-", "-", "-",
+                _ms(seconds), 0, None, None,
+            )  # fmt: skip
+
+    @staticmethod
+    def _log(end: RequestEnd) -> None:
+        timing, tokens = end.timing, end.tokens
+        log.info(
+            _LINE,
+            end.request_id, end.endpoint, end.model, end.tier.name,
+            end.lease.worker.label if end.lease else "-", end.status, end.outcome,
+            _ms(timing.queue_s), _ms(timing.ttft_s), _ms(timing.tpot_s), _ms(timing.e2e_s),
+            timing.output_events, *(tokens if tokens is not None else (None, None)),
+        )  # fmt: skip
+
+
+_LINE = (
+    "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s tpot_ms=%s "
+    "e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s"
+)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
