@@ -109,4 +109,5 @@ def test_the_top_level_stays_small() -> None:
 def test_every_package_says_what_it_owns() -> None:
     for init in APP.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc and "import" in doc.lower(), f"{init}: say what it owns and what it may import"
+        assert doc, f"{init}: say what the package owns"
+        assert "import" in doc.lower(), f"{init}: say what the package may import"

@@ -81,3 +81,8 @@ class Deadline:
             and self._task.uncancel() <= self._cancelling
         ):
             raise TimeoutError from exc
+
+
+def earliest(a: float, b: float | None) -> float:
+    """The earlier of two deadlines, ``b`` None for none."""
+    return a if b is None or a < b else b

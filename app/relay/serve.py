@@ -55,17 +55,10 @@ from app.api.errors import (
     error_body,
 )
 from app.api.outcome import Outcome
-from app.api.protocol import Cost, Events, ParsedRequest, Upload
+from app.api.protocol import Cost, ParsedRequest, Upload
 from app.api.sse import (
-    FINISH,
-    EventKind,
-    EventSplitter,
-    classify,
-    classify_response,
-    event_json,
     fingerprint_member,
     usage_counts,
-    with_fingerprint,
 )
 from app.fleet.lease import Choice, Lease
 from app.fleet.routing import Router
@@ -76,8 +69,10 @@ from app.fleet.workers import WorkerPool
 from app.http.front import AsgiWriter, ResponseWriter
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import RequestTimer
-from app.relay.deadline import Deadline
+from app.relay.deadline import Deadline, earliest
+from app.relay.feedback import Feedback
 from app.relay.record import Recorder, RequestEnd
+from app.relay.stream import StreamPump
 from app.settings import Settings
 from app.shutdown import Shutdown
 
@@ -155,6 +150,10 @@ class Relay:
         self._answered = False
         # Tokenizer-only requests use no engine: never queued, and nothing is learnt from them.
         self._engine = ctx.request.endpoint.cost is not Cost.NONE
+        self._feedback = Feedback(
+            deps.pool, deps.admission, deps.metrics, self._tier,
+            engine=self._engine, stream=ctx.request.stream,
+        )  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request, cancelling the worker request if the client disconnects.
@@ -284,16 +283,8 @@ class Relay:
             self._ctx.abort()
 
     def _release(self, lease: Lease) -> None:
-        now = self._timer.clock()
-        if not lease.release(now):
-            return
-        admission = self._deps.admission
-        if self._engine:
-            admission.completed(
-                self._tier, now - lease.dispatched, *lease.decoded(now, self._timer.output_events)
-            )
-        else:
-            admission.poke()  # its slot is free; its hold says nothing of the tier's demand
+        timer = self._timer
+        self._feedback.released(lease, timer.clock(), timer.output_events)
 
     def _next_choice(self, exclude: frozenset[str]) -> Choice | None:
         ticket = self._ctx.ticket
@@ -301,38 +292,6 @@ class Relay:
             return self._deps.router.choose(ticket.model, ticket.own_tokens, ticket.route, exclude)
         except GatewayError:
             return None
-
-    def first_output(self, lease: Lease, at: float) -> None:
-        """The worker produced its first output (or its whole answer): prefill is over."""
-        if not lease.first_output(at):
-            return
-        deps, worker = self._deps, lease.worker
-        deps.pool.report_success(worker)
-        if not self._engine:
-            return  # the tokenizer's answer: no prefill to learn from
-        ttft = at - lease.dispatched
-        if self._request.stream:
-            deps.admission.limits.first_token(worker, ttft, lease.prefill_peers, at)
-        worker.latency.observe_ttft(lease.choice.prefill_work, ttft)
-        worker.recent_ttft.observe(ttft, at)
-        deps.metrics.worker_ttft.labels(worker.label).observe(ttft)
-        deps.metrics.prediction_error.labels(self._tier).observe(
-            abs(ttft - lease.choice.predicted_ttft_s)
-        )
-        deps.admission.poke()  # the prefill is done: capacity may be free for a queued request
-
-    def paced(self, lease: Lease, pace: float, at: float) -> None:
-        """The gaps of ``lease``'s stream closed a window of its worker's pace, read at ``at``."""
-        self._deps.admission.limits.paced(lease.worker, pace, at)
-
-    def counted(self, tokens: tuple[int, int] | None) -> None:
-        """The worker's usage told the prompt and completion tokens (None: it told nothing)."""
-        if tokens is not None:
-            self._tokens = tokens
-
-    def worker_erred(self) -> None:
-        """The worker sent an error event in the stream: the request is the worker's failure."""
-        self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
 
     async def _stream_once(self, out: ResponseWriter, lease: Lease) -> None:
         deps, timer = self._deps, self._timer
@@ -349,28 +308,28 @@ class Relay:
         )
         stall = settings.client_stall_timeout_s
         sending = False
-        stream: _Stream | None = None
+        stream: StreamPump | None = None
         self._tokens = None
         try:
             async with (
-                Deadline(_earliest(deadline_at, total_at)) as deadline,
+                Deadline(earliest(deadline_at, total_at)) as deadline,
                 self._response(lease) as upstream,
             ):
-                stream = _Stream(
-                    self, self._request, timer, settings.idle_timeout_s, out, lease, deadline,
-                    deadline_at, total_at,
+                stream = StreamPump(
+                    functools.partial(self.send_events, out), self._feedback, self._request,
+                    timer, settings.idle_timeout_s, lease, deadline, deadline_at, total_at,
                 )  # fmt: skip
                 # Each event is relayed in the worker connection's own callback.
                 while (pending := await upstream.push(stream.feed)) is not None:
                     # A send waits while the client does not read (the server's write buffer
                     # is full): the stall timeout's time, never the worker's.
                     sending = True
-                    deadline.move(_earliest(loop.time() + stall, total_at))
+                    deadline.move(earliest(loop.time() + stall, total_at))
                     await pending
                     sending = False
                     deadline.move(stream.read_deadline())
                 sending = True  # the end of the body waits for a client that does not read, too
-                deadline.move(_earliest(loop.time() + stall, total_at))
+                deadline.move(earliest(loop.time() + stall, total_at))
                 if stream.held:
                     await self._relay(out, stream.held, stream.held_outputs)
                 if not stream.done:
@@ -396,6 +355,10 @@ class Relay:
         finally:
             if stream is not None:
                 timer.add_overhead(stream.overhead_s)
+                if stream.tokens is not None:
+                    self._tokens = stream.tokens
+                if stream.erred:  # an error event: the request is the worker's failure
+                    self._status, self._outcome = 502, Outcome.UPSTREAM_ERROR
 
     async def _relay(self, out: ResponseWriter, events: list[bytes], outputs: int) -> None:
         """Send whole events, ``outputs`` of them carrying output, waiting as long as it takes."""
@@ -473,7 +436,7 @@ class Relay:
                 raise UpstreamInvalidResponse(
                     f"Worker {worker.label} sent a response that is not JSON."
                 ) from exc
-        self.first_output(lease, received)
+        self._feedback.first_output(lease, received)
         self._tokens = usage_counts(payload)
         if self._request.endpoint.chunks:
             worker.fingerprint = fingerprint_member(payload)
@@ -574,152 +537,6 @@ class Relay:
             lease=self._lease,
         )
         self._deps.recorder.finish(end)
-
-
-class _Stream:
-    """One attempt's stream: the worker's bytes cut into events, classified, timed and sent on.
-
-    :meth:`feed` takes each piece of the worker's body as it arrives and sends its whole
-    events at once, in the worker connection's own callback when the transport pushes
-    (:meth:`app.fleet.wire.Response.push`): no task wakes up for an event. Only a send that must
-    wait (the client is not reading) is left to the relay's task.
-    """
-
-    __slots__ = (
-        "_clock", "_deadline", "_deadline_at", "_first", "_idle", "_keep_usage", "_kind_of",
-        "_lease", "_loop", "_out", "_relay", "_restore", "_splitter", "_timer", "_total_at",
-        "_worker",
-        "done", "held", "held_outputs", "last_received", "overhead_s", "responses",
-    )  # fmt: skip
-
-    def __init__(
-        self, relay: Relay, request: ParsedRequest, timer: RequestTimer, idle_s: float,
-        out: ResponseWriter, lease: Lease, deadline: Deadline, deadline_at: float,
-        total_at: float | None,
-    ) -> None:  # fmt: skip
-        self._relay, self._out, self._lease, self._worker = relay, out, lease, lease.worker
-        self._deadline, self._deadline_at, self._total_at = deadline, deadline_at, total_at
-        self._loop = asyncio.get_running_loop()
-        self._timer = timer
-        self._clock = timer.clock
-        self._idle = idle_s
-        self._keep_usage = request.wants_usage
-        # The worker was asked for a usage chunk the client did not ask for; vLLM then also
-        # leaves ``system_fingerprint`` off each finish chunk, so the relay puts it back.
-        self._restore = not self._keep_usage
-        # The Responses API ends with a typed event that carries the usage, not with [DONE].
-        self.responses = request.endpoint.events is Events.RESPONSES
-        self._kind_of = classify_response if self.responses else classify
-        self._splitter = EventSplitter()
-        self._first = True
-        self.done = False
-        """The stream's end marker came."""
-        self.last_received: float | None = None
-        """When the latest output event came from the worker."""
-        self.held: list[bytes] | None = None
-        """Events held, in order, from a finish chunk until the usage chunk tells the worker's
-        fingerprint: only while the gateway has not seen this worker's yet."""
-        self.held_outputs = 0
-        self.overhead_s = 0.0
-        """The gateway's own time on this attempt's events (added to the timer at its end)."""
-
-    def read_deadline(self) -> float:
-        """The deadline while the relay waits for the worker: first token, or the next event."""
-        if self.last_received is None:
-            return _earliest(self._deadline_at, self._total_at)
-        return _earliest(self._loop.time() + self._idle, self._total_at)
-
-    def feed(self, data: bytes) -> Awaitable[None] | None:
-        """Relay the whole events ``data`` completes; what finishes the send if it must wait."""
-        relay, worker = self._relay, self._worker
-        received = self._clock()
-        events = self._splitter.feed(data)
-        if not events:
-            return None
-        if self._first:
-            self._first = False
-            head = events[0]
-            if self._restore and b'"usage"' in head and classify(head) is not EventKind.USAGE:
-                # The worker sends usage whatever was asked (--enable-force-include-usage): so
-                # it does to the client directly.
-                self._keep_usage, self._restore = True, False
-        restore, kind_of, held = self._restore, self._kind_of, self.held
-        before = self.last_received  # the previous output's arrival, None before the first
-        out: list[bytes] = []
-        outputs = seen = 0
-        for event in events:
-            kind = kind_of(event)
-            if kind is EventKind.OUTPUT:
-                self.last_received = received
-                seen += 1
-            elif kind is EventKind.USAGE:
-                payload = event_json(event)
-                relay.counted(usage_counts(payload))
-                if restore:
-                    worker.fingerprint = fingerprint_member(payload)
-                    if held is not None:
-                        out.extend(_restored(held, worker.fingerprint))
-                        outputs, held, self.held_outputs = outputs + self.held_outputs, None, 0
-                if not self._keep_usage:
-                    continue
-            elif kind is EventKind.DONE:
-                self.done = True
-                if self.responses:
-                    relay.counted(usage_counts(event_json(event)))
-            elif kind is EventKind.ERROR:
-                relay.worker_erred()
-                self.done = self.done or self.responses  # response.failed ends its stream
-            if restore and FINISH in event:
-                member = worker.fingerprint
-                if member is not None:
-                    event = with_fingerprint(event, member)
-                elif held is None:
-                    held = []
-            if held is not None:
-                if kind is not EventKind.DONE and kind is not EventKind.ERROR:
-                    held.append(event)
-                    self.held_outputs += kind is EventKind.OUTPUT
-                    continue
-                out.extend(held)  # no usage chunk came: the fingerprint is unknown
-                outputs, held, self.held_outputs = outputs + self.held_outputs, None, 0
-            out.append(event)
-            outputs += kind is EventKind.OUTPUT
-        self.held = held
-        try:
-            pending = relay.send_events(self._out, out, outputs, self.done) if out else None
-        finally:
-            # What the outputs teach (the first token's TTFT, the pace) is learnt once they
-            # are on their way: the client's first token does not wait for the bookkeeping.
-            if seen:
-                self._learn(seen, before, received)
-        if pending is None and self.last_received is not None:
-            total_at, idle_at = self._total_at, self._loop.time() + self._idle
-            self._deadline.move(idle_at if total_at is None or idle_at < total_at else total_at)
-        self.overhead_s += self._clock() - received
-        return pending
-
-    def _learn(self, outputs: int, before: float | None, received: float) -> None:
-        """Tell the relay of ``outputs`` output events received together at ``received``."""
-        relay, lease = self._relay, self._lease
-        if before is None:
-            relay.first_output(lease, received)
-        else:
-            pace = lease.output_gap(received - before, received)
-            if pace is not None:
-                relay.paced(lease, pace, received)
-        for _ in range(outputs - 1):
-            pace = lease.output_gap(0.0, received)
-            if pace is not None:
-                relay.paced(lease, pace, received)
-
-
-def _restored(held: list[bytes], member: bytes) -> list[bytes]:
-    """Held events with the fingerprint put back on their finish chunks."""
-    return [with_fingerprint(event, member) if FINISH in event else event for event in held]
-
-
-def _earliest(a: float, b: float | None) -> float:
-    return a if b is None or a < b else b
 
 
 def _describe(exc: BaseException | None) -> str:
