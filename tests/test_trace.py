@@ -231,7 +231,7 @@ async def test_a_fault_in_the_relay_is_a_500_logged_as_sent(
             raise RuntimeError("a bug in the relay")
         return classify(event)
 
-    monkeypatch.setattr("app.relay.serve.classify", failing_classify)
+    monkeypatch.setattr("app.relay.stream.classify", failing_classify)
     caplog.set_level(logging.INFO, logger="app.access")
     settings = settings_for(WORKER, access_log=True)
     async with running_gateway(settings, FakeWorker(_ok).transport) as url:
