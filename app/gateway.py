@@ -97,7 +97,7 @@ def create_app(
         admission = AdmissionController(settings, router, limits, metrics, clock)
         goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
-        recorder = Recorder(settings, metrics, goodput, auth, sizer, pool, limits)
+        recorder = Recorder(settings, metrics, goodput)
         for name, missing in assumptions_held().items():
             metrics.library_assumption.labels(name).set(0 if missing else 1)
         lag.start()
@@ -126,7 +126,17 @@ def create_app(
             )  # fmt: skip
             slots = UpstreamSlots(connection_budget(settings.max_upstream_connections), metrics)
             deps = RelayDeps(
-                settings, wire, pool, router, metrics, admission, recorder, slots, drain
+                settings,
+                auth,
+                sizer,
+                wire,
+                pool,
+                router,
+                metrics,
+                admission,
+                recorder,
+                slots,
+                drain,
             )
 
             def refused(rid: str, path: str, status: int, seconds: float) -> None:

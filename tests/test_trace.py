@@ -254,3 +254,38 @@ async def test_a_fault_in_the_relay_is_a_500_logged_as_sent(
         assert r.json()["error"]["code"] == "internal_error"
         assert r.headers["x-request-id"] == "faulty"
         assert " status=500 " in line
+
+
+async def test_a_fault_in_counting_or_learning_gives_every_slot_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The key's concurrency slot and the worker's lease come back whatever the metrics do.
+
+    With a key allowed one request at a time, a second request after a first whose counting
+    and learning both failed is served, not turned away for a slot the first still holds.
+    """
+    from app.observe.metrics import GatewayMetrics
+    from app.relay.feedback import Feedback
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug in the metrics")
+
+    monkeypatch.setattr(GatewayMetrics, "count", broken)
+    monkeypatch.setattr(Feedback, "served", broken)
+    spec = {"sha256": hashlib.sha256(KEY.encode()).hexdigest(), "max_concurrency": 1}
+    settings = settings_for(WORKER, api_keys=[spec])
+    auth = {"authorization": f"Bearer {KEY}"}
+    caplog.set_level(logging.CRITICAL)  # the faults are logged as errors; not this test's point
+    async with (
+        running_gateway(settings, FakeWorker(_ok).transport) as url,
+        httpx.AsyncClient(base_url=url, headers=auth) as client,
+    ):
+        for _ in range(3):
+            r = await client.post("/v1/chat/completions", json=_chat())
+            assert r.status_code == 200, r.text
+            assert b"[DONE]" in r.content
+        metrics = (await client.get("/metrics")).text
+    lines = metrics.splitlines()
+    in_flight = [line for line in lines if line.startswith("gateway_worker_in_flight")]
+    assert in_flight, "the worker's in-flight gauge is exported"
+    assert all(line.endswith(" 0.0") for line in in_flight), in_flight

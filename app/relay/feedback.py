@@ -9,9 +9,13 @@ request, goodput, the access line) is :mod:`app.relay.record`'s, at the end.
 from __future__ import annotations
 
 from app.admission.queue import AdmissionController
+from app.api.outcome import Outcome
+from app.api.protocol import ParsedRequest
 from app.fleet.lease import Lease
+from app.fleet.predictor import PromptSizer
 from app.fleet.workers import WorkerPool
 from app.observe.metrics import GatewayMetrics
+from app.observe.timing import TimingSummary
 
 
 class Feedback:
@@ -22,19 +26,21 @@ class Feedback:
     limit learns from.
     """
 
-    __slots__ = ("_admission", "_engine", "_metrics", "_pool", "_stream", "_tier")
+    __slots__ = ("_admission", "_engine", "_metrics", "_pool", "_sizer", "_stream", "_tier")
 
     def __init__(
         self,
         pool: WorkerPool,
         admission: AdmissionController,
         metrics: GatewayMetrics,
+        sizer: PromptSizer,
         tier: str,
         *,
         engine: bool,
         stream: bool,
     ) -> None:
         self._pool = pool
+        self._sizer = sizer
         self._admission = admission
         self._metrics = metrics
         self._tier = tier
@@ -94,3 +100,32 @@ class Feedback:
             )
         else:
             self._admission.poke()  # its slot is free; its hold says nothing of the tier's demand
+
+    def served(
+        self,
+        lease: Lease,
+        model: str,
+        request: ParsedRequest,
+        timing: TimingSummary,
+        tokens: tuple[int, int] | None,
+        outcome: Outcome,
+    ) -> None:
+        """What the worker's models and limits learn from a request it served to the end.
+
+        ``model`` is the bounded label the prompt sizer learns under. Only requests whose
+        latencies describe the service (:func:`app.relay.record.learns`) are given here.
+        """
+        worker = lease.worker
+        if tokens is not None:
+            if request.upload is None:  # an upload's size is audio, not prompt text
+                self._sizer.observe(model, request.size, tokens[0])
+            self._pool.record_tokens(worker, *tokens)
+            worker.pace.observe_stream(tokens[1], timing.output_events)
+        if outcome is not Outcome.OK:
+            return
+        load = lease.decode_load
+        if timing.tpot_s is not None and load is not None:
+            worker.latency.observe_tpot(load, timing.tpot_s)
+        if request.stream:
+            # The prefill limit learnt from the first token when it came (the relay).
+            self._admission.limits.learn(worker, timing.tpot_s, self._pool.now(), load)

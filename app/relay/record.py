@@ -14,14 +14,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from app.admission.auth import Authenticator, Identity
-from app.admission.limits import Limits
+from app.admission.auth import Identity
 from app.api.errors import GatewayError, RateLimited, UpstreamUnavailable
 from app.api.outcome import Decision, Outcome, Reason
 from app.api.protocol import Endpoint, ParsedRequest
 from app.fleet.lease import Lease
-from app.fleet.predictor import PromptSizer
-from app.fleet.workers import WorkerPool
 from app.observe.goodput import GoodputTracker, judge
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import TimingSummary
@@ -57,26 +54,28 @@ class RequestEnd:
     """The last attempt's lease (released already)."""
 
 
+def learns(end: RequestEnd) -> bool:
+    """Whether ``end``'s latencies describe the service.
+
+    A judged endpoint's request, served (or cancelled by its client while served): the latency
+    histograms and the workers' models take only those.
+    """
+    return (
+        end.endpoint in _JUDGED
+        and end.outcome in (Outcome.OK, Outcome.CLIENT_CANCELLED)
+        and end.request is not None
+    )
+
+
 class Recorder:
     """Records the end of every request (:meth:`finish`)."""
 
     def __init__(
-        self,
-        settings: Settings,
-        metrics: GatewayMetrics,
-        goodput: GoodputTracker,
-        auth: Authenticator,
-        sizer: PromptSizer,
-        pool: WorkerPool,
-        limits: Limits,
+        self, settings: Settings, metrics: GatewayMetrics, goodput: GoodputTracker
     ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._goodput = goodput
-        self._auth = auth
-        self._sizer = sizer
-        self._pool = pool
-        self._limits = limits
 
     def refused(self, end: RequestEnd, error: GatewayError) -> None:
         """A request turned away before admission saw it: its key's quota, or no worker."""
@@ -87,12 +86,13 @@ class Recorder:
         self.finish(end)
 
     def finish(self, end: RequestEnd) -> None:
-        """Record one finished request, whatever its outcome."""
+        """Count one finished request, whatever its outcome: metrics, goodput, the access line.
+
+        It only counts: the slots the request held were given back before (the relay's), and
+        what it teaches admission and the fleet is :class:`app.relay.feedback.Feedback`'s.
+        """
         metrics, tier, tokens, request = self._metrics, end.tier.name, end.tokens, end.request
         metrics.count(end.model, tier, end.endpoint, end.status, end.outcome, tokens)
-        if end.identity is not None:
-            used = None if tokens is None else sum(tokens)
-            self._auth.release(end.identity, end.charged_tokens, used)
         stream = request is not None and request.stream
         max_tokens = None if request is None else request.max_tokens
         completion = None if tokens is None else tokens[1]
@@ -108,32 +108,15 @@ class Recorder:
             )
         if result is not None:
             self._goodput.record(end.model, tier, result, completion)
-        if judged and end.outcome in (Outcome.OK, Outcome.CLIENT_CANCELLED) and request is not None:
+        if learns(end):
             metrics.observe(end.model, tier, end.timing, stream)
             if end.lease is not None:
-                self._learn(end, end.lease, request)
+                worker = end.lease.worker.label
+                metrics.worker_itl.labels(worker).observe_all(end.timing.itl_s)
+                if tokens is not None:
+                    metrics.worker_completion_tokens.labels(worker).inc(tokens[1])
         if self._settings.access_log:
             self._log(end)
-
-    def _learn(self, end: RequestEnd, lease: Lease, request: ParsedRequest) -> None:
-        """What the worker's models and limits learn from a served request."""
-        metrics, timing, tokens = self._metrics, end.timing, end.tokens
-        worker = lease.worker
-        metrics.worker_itl.labels(worker.label).observe_all(timing.itl_s)
-        if tokens is not None:
-            metrics.worker_completion_tokens.labels(worker.label).inc(tokens[1])
-            if request.upload is None:  # an upload's size is audio, not prompt text
-                self._sizer.observe(end.model, request.size, tokens[0])
-            self._pool.record_tokens(worker, *tokens)
-            worker.pace.observe_stream(tokens[1], timing.output_events)
-        if end.outcome is not Outcome.OK:
-            return
-        load = lease.decode_load
-        if timing.tpot_s is not None and load is not None:
-            worker.latency.observe_tpot(load, timing.tpot_s)
-        if request.stream:
-            # The prefill limit learnt from the first token when it came (the relay).
-            self._limits.learn(worker, timing.tpot_s, self._pool.now(), load)
 
     def plain(
         self, request_id: str, endpoint: str, status: int, outcome: Outcome, seconds: float

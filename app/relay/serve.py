@@ -39,7 +39,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.admission.auth import Identity
+from app.admission.auth import Authenticator, Identity
 from app.admission.queue import AdmissionController, Ticket
 from app.api.errors import (
     ClientStalled,
@@ -53,6 +53,7 @@ from app.api.errors import (
 from app.api.outcome import Outcome
 from app.api.protocol import Cost, ParsedRequest
 from app.fleet.lease import Choice, Lease
+from app.fleet.predictor import PromptSizer
 from app.fleet.routing import Router
 from app.fleet.upstream import UpstreamSlots
 from app.fleet.wire import WireClient
@@ -63,7 +64,7 @@ from app.observe.timing import RequestTimer
 from app.relay.answer import Answer
 from app.relay.attempt import Attempts, Told
 from app.relay.feedback import Feedback
-from app.relay.record import Recorder, RequestEnd
+from app.relay.record import Recorder, RequestEnd, learns
 from app.settings import Settings
 from app.shutdown import Shutdown
 
@@ -80,6 +81,8 @@ class RelayDeps:
     """What every relay needs from the running app."""
 
     settings: Settings
+    auth: Authenticator
+    sizer: PromptSizer
     wire: WireClient
     pool: WorkerPool
     router: Router
@@ -133,7 +136,7 @@ class Relay:
         # Tokenizer-only requests use no engine: never queued, and nothing is learnt from them.
         self._engine = ctx.request.endpoint.cost is not Cost.NONE
         self._feedback = Feedback(
-            deps.pool, deps.admission, deps.metrics, self._tier,
+            deps.pool, deps.admission, deps.metrics, deps.sizer, self._tier,
             engine=self._engine, stream=ctx.request.stream,
         )  # fmt: skip
         self._attempts = Attempts(
@@ -335,7 +338,20 @@ class Relay:
             self._drop_client()
 
     def _finish(self) -> None:
-        ctx, timer, told = self._ctx, self._timer, self._told
+        """Give back the key's slot, then learn from the request and count it.
+
+        The lease was given back when its attempt ended; the key's concurrency slot and the
+        tokens charged up front go back here, first, whatever learning and counting do after.
+        """
+        ctx, tokens = self._ctx, self._told.tokens
+        used = None if tokens is None else sum(tokens)
+        try:
+            self._deps.auth.release(ctx.identity, ctx.charged_tokens, used)
+        finally:
+            self._learn_and_count()
+
+    def _learn_and_count(self) -> None:
+        ctx, timer, told, deps = self._ctx, self._timer, self._told, self._deps
         tokens = told.tokens
         summary = timer.summary(None if tokens is None else tokens[1], end=told.end)
         end = RequestEnd(
@@ -353,7 +369,13 @@ class Relay:
             charged_tokens=ctx.charged_tokens,
             lease=self._lease,
         )
-        self._deps.recorder.finish(end)
+        try:
+            if self._lease is not None and learns(end):
+                self._feedback.served(
+                    self._lease, self._model_label, self._request, summary, tokens, self._outcome
+                )
+        finally:
+            deps.recorder.finish(end)
 
 
 def _describe(exc: BaseException | None) -> str:
