@@ -59,9 +59,9 @@ class Limits:
 
         The strictest of the tiers that had a request in the last ``_TIER_ACTIVE_S`` seconds,
         or of every tier before any request came. A tier with no requests has nothing to
-        miss: keeping its targets held every other tier to them (seen: with no API keys every
-        request is standard, 200 ms a token, and the limits kept interactive's 100 ms, cutting
-        workers that streamed 256 at 80 ms a token to as few as 61). A tier that comes back
+        miss: keeping its targets would hold every other tier to them (without API keys every
+        request is standard, and interactive's stricter TPOT would cut workers that serve the
+        standard target with room to spare; docs/admission.md). A tier that comes back
         after a pause finds the limits set for the others, and its first misses cut them, as
         any miss does. On ``worker``, a TPOT target under the fastest it is known to reach
         (:attr:`app.fleet.workers.Worker.floor_tpot`) is out of its reach: no limit brings its

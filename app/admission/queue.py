@@ -171,9 +171,8 @@ class AdmissionController:
         the line is learnt on those (routing predicts and records the uncached work), and a
         cached prefix costs no prefill (docs/admission.md). Without the fitted intercept: the
         line is learnt under load, where its intercept takes in the decode steps and queueing
-        a request met (seen: 1.0 s predicted for a 900-token prompt that an idle CPU worker
-        prefilled in 0.6 s), and refusing a prompt an idle worker would serve in time is the
-        error that costs most.
+        a request met, so it overestimates an idle worker's prefill; and refusing a prompt an
+        idle worker would serve in time is the error that costs most (docs/admission.md).
         """
         best = math.inf
         for worker in self._router.candidates(ticket.model):
