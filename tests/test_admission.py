@@ -283,7 +283,7 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     clock.advance(3.0)
     assert 20 <= admission.demand.expected_total(clock.now) < 32
     worker.in_flight = 15
-    assert admission._try(ticket, clock.now) is not None
+    assert admission.placement(ticket, clock.now) is not None
     # Once a measurement set the limit, it is what slots are kept from.
     worker.limit.cut(40, clock.now)
     assert limits.seen_bound(worker) is None
@@ -346,19 +346,19 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     # would keep for interactive are not kept; batch runs in the 19th.
     worker.in_flight = 18
     assert admission.room.full(worker, batch.tier)
-    assert admission._try(batch, clock.now) is not None
+    assert admission.placement(batch, clock.now) is not None
     # Three within 0.2 s: under the old rule the last half second said 6/s (24 slots); at 1/s
     # three in half a second is chance, and still nothing is held back.
     _arrive(admission, [(clock.now + 0.1 * k, interactive.priority) for k in range(3)])
     clock.advance(0.21)
     assert admission.demand.expected_total(clock.now) < 20
-    assert admission._try(batch, clock.now) is not None
+    assert admission.placement(batch, clock.now) is not None
     # A surge: 36 more in the next second, more slots expected than the worker runs. Now the
     # slots are kept, and batch waits while interactive gets in.
     _arrive(admission, [(clock.now + k / 36, interactive.priority) for k in range(36)])
     clock.advance(1.0)
-    assert admission._try(batch, clock.now) is None
-    assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
+    assert admission.placement(batch, clock.now) is None
+    assert admission.placement(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
 def test_slots_stay_kept_while_a_higher_tier_is_expected_not_only_after_a_refusal() -> None:
@@ -419,7 +419,7 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     admission, _, _, _ = _controller(clock)
     admission.demand.arrived(interactive.priority, clock.now)
     admission.completed("interactive", 6.6, decode_s=6.3, decoded=63)
-    assert admission.demand._held[interactive.priority] == pytest.approx(6.6)
+    assert admission.demand.mean_hold(interactive.priority) == pytest.approx(6.6)
 
 
 def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -> None:
@@ -445,7 +445,7 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 20 / 9.75 * 2.82)
     assert sum(admission.demand.expected_slots(clock.now).values()) > 20
     worker.in_flight = 19
-    assert admission._try(batch, clock.now) is not None
+    assert admission.placement(batch, clock.now) is not None
     # Twice the arrivals: 23 slots as measured, more than the worker runs. Now batch leaves
     # the slots the tiers above are expected to need, sized at the aim.
     clock.advance(10.0)
@@ -454,7 +454,7 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     # Watched for all of the last 10 s (its first arrival came 9.75 s ago): 40 in 10 s.
     assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 40 / 10 * 2.82)
     worker.in_flight = 10
-    assert admission._try(batch, clock.now) is None
+    assert admission.placement(batch, clock.now) is None
 
 
 def test_a_closed_loop_flood_reads_as_saturation_by_its_waits() -> None:
@@ -471,17 +471,17 @@ def test_a_closed_loop_flood_reads_as_saturation_by_its_waits() -> None:
     _arrive(admission, [(clock.now - 9.9 + t / 9, low) for t in range(90)])
     _arrive(admission, [(clock.now - 1.9 + t, top) for t in range(2)])
     assert admission.demand.expected_total(clock.now) == pytest.approx((90 + 2) / 9.9 * 0.4)
-    assert not admission._reserving(4, clock.now)
+    assert not admission.reserving(4, clock.now)
     worker.in_flight = 3
-    assert admission._try(_ticket(settings, clock, "batch"), clock.now) is not None
+    assert admission.placement(_ticket(settings, clock, "batch"), clock.now) is not None
     for _ in range(30):
         admission.demand.waited(low, 0.0)
         admission.demand.waited(low, 0.0)
         admission.demand.waited(low, 0.4)
     assert admission.demand.expected_total(clock.now) > 4
-    assert admission._reserving(4, clock.now)
-    assert admission._try(_ticket(settings, clock, "batch"), clock.now) is None
-    assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
+    assert admission.reserving(4, clock.now)
+    assert admission.placement(_ticket(settings, clock, "batch"), clock.now) is None
+    assert admission.placement(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
 class QueuedElsewhere:
@@ -510,19 +510,19 @@ def test_a_lower_tier_leaves_the_next_slots_to_higher_tiers_queued_elsewhere() -
     top, middle = (_tier(settings, name).priority for name in ("interactive", "standard"))
     worker.in_flight = 2
     batch, standard = _ticket(settings, clock, "batch"), _ticket(settings, clock, "standard")
-    assert admission._try(batch, clock.now) is not None
+    assert admission.placement(batch, clock.now) is not None
     admission.demand.fleet = QueuedElsewhere({MODEL: {top: 2}, "other-model": {top: 5}})
     assert admission.demand.queued_elsewhere(MODEL, batch.tier, clock.now) == 2
-    assert admission._try(batch, clock.now) is None
-    assert admission._try(standard, clock.now) is None
+    assert admission.placement(batch, clock.now) is None
+    assert admission.placement(standard, clock.now) is None
     worker.in_flight = 1
-    assert admission._try(batch, clock.now) is not None
+    assert admission.placement(batch, clock.now) is not None
     # Only tiers above count: standard queued there holds batch here, not interactive.
     worker.in_flight = 3
     admission.demand.fleet = QueuedElsewhere({MODEL: {middle: 1}})
-    assert admission._try(batch, clock.now) is None
-    assert admission._try(standard, clock.now) is not None
-    assert admission._try(_ticket(settings, clock, "interactive"), clock.now) is not None
+    assert admission.placement(batch, clock.now) is None
+    assert admission.placement(standard, clock.now) is not None
+    assert admission.placement(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
 def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
@@ -638,7 +638,7 @@ def test_after_a_quiet_spell_a_few_arrivals_are_read_over_the_time_watched() -> 
     # Just started, the gateway has watched nothing before them: over a second, 1/s each.
     _arrive(admission, [(clock.now + offset, p) for p, offset in pair])
     assert admission.demand.arrival_rates(clock.now) == {top: 1.0, middle: 1.0}
-    assert admission._reserving(4, clock.now)
+    assert admission.reserving(4, clock.now)
     # After twenty quiet seconds the same pair is two arrivals in the 10 s watched, not a
     # rate of one a second each: 1.2 slots expected of 4, nothing kept back.
     clock.advance(20.0)
@@ -646,9 +646,9 @@ def test_after_a_quiet_spell_a_few_arrivals_are_read_over_the_time_watched() -> 
     rates = admission.demand.arrival_rates(clock.now)
     assert rates == {top: pytest.approx(0.1), middle: pytest.approx(0.1)}
     assert admission.demand.expected_total(clock.now) == pytest.approx(1.2)
-    assert not admission._reserving(4, clock.now)
+    assert not admission.reserving(4, clock.now)
     # Nor is an interactive request likely during a lower tier's 2-s prefill (0.2 expected).
-    assert not admission.room._higher_likely(_tier(settings, "standard"), 1, 2.0, clock.now)
+    assert not admission.room.higher_likely(_tier(settings, "standard"), 1, 2.0, clock.now)
 
 
 def test_a_surge_of_every_tier_is_read_from_all_arrivals_by_each_tiers_share() -> None:
@@ -1009,7 +1009,7 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     task = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
     await asyncio.sleep(0)
     clock.advance(5.0)
-    admission._dispatch()
+    admission.dispatch()
     with pytest.raises(QueueTimeout) as caught:
         await task
     assert caught.value.status_code == 503
@@ -1025,7 +1025,7 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     assert interactive.worker is pool.workers["a:1"]
     interactive.release(clock.now)
     clock.advance(2.5)  # the shortage is over: the batch request runs
-    admission._dispatch()
+    admission.dispatch()
     choice, waited = await batch
     assert choice.worker is pool.workers["a:1"]
     assert waited == pytest.approx(2.5)
@@ -1044,14 +1044,14 @@ async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_
         task = asyncio.create_task(admission.admit(_ticket(settings, clock, "interactive")))
         await asyncio.sleep(0)
         clock.advance(waited)
-        admission._dispatch()
+        admission.dispatch()
         return task
 
     # Recent first tokens came 0.1 s after dispatch: up to 0.9 s in the queue can still work.
     quick = await queued(0.1, 0.6)
     assert not quick.done()
     worker.in_flight = 0
-    admission._dispatch()
+    admission.dispatch()
     await quick
     # Now they come 0.6 s after dispatch (prefill behind others): dispatched after 0.4 s in
     # the queue, a request would most likely miss its 1 s target, so it leaves with a 503.
@@ -1107,8 +1107,8 @@ async def test_retry_after_follows_the_drain_rate_measured_while_requests_queue(
     assert admission.drain.rate(clock.now) == pytest.approx(2.0, rel=0.1)
     # An interactive request that must be rejected has the 5 batch requests behind it, not
     # ahead: Retry-After ~ 1 / 2 per s.
-    assert admission._retry_after(_ticket(settings, clock, "interactive")) == pytest.approx(0.5)
-    assert admission._retry_after(_ticket(settings, clock, "batch")) == pytest.approx(3.0)
+    assert admission.retry_after(_ticket(settings, clock, "interactive")) == pytest.approx(0.5)
+    assert admission.retry_after(_ticket(settings, clock, "batch")) == pytest.approx(3.0)
     # The worker is full and 2 requests/s leave it: an interactive request (1 s target) can
     # wait 0.5 s for a slot, and is queued; a second one would wait 1 s, past its deadline,
     # so it is told at once (429), with that wait as its Retry-After.

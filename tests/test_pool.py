@@ -39,7 +39,7 @@ def _pool(settings: Settings, clock: FakeClock, resolver: FakeResolver | None = 
 
 
 def _metric(pool: WorkerPool, name: str, worker: str) -> float | None:
-    value = pool._metrics.registry.get_sample_value(name, {"worker": worker})
+    value = pool.metrics.registry.get_sample_value(name, {"worker": worker})
     return value
 
 
@@ -194,7 +194,7 @@ async def test_a_models_series_are_exported_at_zero_once_a_worker_serves_it() ->
     client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: models))
     pool = WorkerPool(settings, client, GatewayMetrics(settings), FakeClock(), FakeResolver())
     await pool.rediscover()
-    sample = pool._metrics.registry.get_sample_value
+    sample = pool.metrics.registry.get_sample_value
     interactive = {"model": "m1", "tier": "interactive"}
     assert sample("gateway_time_to_first_token_seconds_count", interactive) is None
     await pool.probe_models(next(iter(pool.workers.values())))

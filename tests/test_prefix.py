@@ -59,7 +59,7 @@ def _fleet(
 
 
 def _sample(pool: WorkerPool, name: str, **labels: str) -> float:
-    value = pool._metrics.registry.get_sample_value(name, labels)
+    value = pool.metrics.registry.get_sample_value(name, labels)
     assert value is not None
     return value
 
@@ -162,7 +162,7 @@ def test_requests_sharing_a_prefix_go_where_it_was_sent_and_the_hit_is_predicted
         assert choice.cached_tokens > 0.6 * _tokens(request)
         assert choice.cached_tokens % 128 == 0
         # The prefill the worker is charged with is what is left.
-        lease = Lease(choice, "standard", _tokens(request), 0.0, pool._metrics)
+        lease = Lease(choice, "standard", _tokens(request), 0.0, pool.metrics)
         assert home.prefill_tokens_ahead == _tokens(request) - choice.cached_tokens
         lease.first_output(0.1)
         lease.release(0.2)
@@ -394,8 +394,8 @@ def test_a_restarted_worker_forgets_its_prefixes() -> None:
     a = pool.workers["a:1"]
     request = _chat("a question: " + _words(40, 14))
     a.prefixes.add(_prefix(_key(router, request)).blocks, 10_000)
-    pool._set_up(a, False, None)
-    pool._set_up(a, True, None)
+    pool.set_up(a, False, None)
+    pool.set_up(a, True, None)
     assert len(a.prefixes) == 0
 
 

@@ -108,7 +108,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     assert _decisions(metrics, "standard", "rejected", "queue_full") == 1
     # Its deadline leaves 0.7 s for the first token: the interactive request expires.
     clock.advance(0.31)
-    admission._dispatch()
+    admission.dispatch()
     with pytest.raises(QueueTimeout) as expired:
         await interactive
     assert expired.value.code == "queue_timeout"
@@ -117,7 +117,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     # lower tiers have let it go first until now: the standard request runs.
     clock.advance(2.0)
     worker.load = LoadSample(4, 0, 0.1, clock.now, capacity_waiting=0)
-    admission._dispatch()
+    admission.dispatch()
     lease, waited = await standard
     assert lease.worker is worker
     assert waited == pytest.approx(2.31)
@@ -254,10 +254,11 @@ def test_goodput_counts_what_the_service_could_have_served() -> None:
 
 def test_a_lease_is_released_once_whatever_happens() -> None:
     clock = FakeClock()
-    admission, pool, _, _ = _controller(clock)
+    admission, pool, metrics, settings = _controller(clock)
     worker = pool.workers["a:1"]
-    choice = admission._router.choose(MODEL, 10)
-    lease = Lease(choice, "standard", 10, clock.now, admission._metrics)
+    choice = admission.placement(_ticket(settings, clock, "standard"), clock.now)
+    assert choice is not None
+    lease = Lease(choice, "standard", 10, clock.now, metrics)
     assert (worker.in_flight, worker.prefilling, worker.tier_in_flight["standard"]) == (1, 1, 1)
     assert lease.first_output(clock.now + 0.1)
     assert not lease.first_output(clock.now + 0.2)

@@ -188,6 +188,13 @@ class TierDemand:
             held_s += decoded * aim - decode_s
         _average(self._held, priority, held_s)
 
+    def mean_hold(self, priority: int) -> float | None:
+        """Tier ``priority``'s mean hold of a slot, counted at least at the TPOT aim.
+
+        What the slots kept for the tier are reckoned with; None before any request of it ended.
+        """
+        return self._held.get(priority)
+
     def waited(self, priority: int, waited_s: float) -> None:
         """A request of tier ``priority`` left the queue after ``waited_s`` (0: never queued)."""
         _average(self._waited, priority, waited_s)

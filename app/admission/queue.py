@@ -107,7 +107,7 @@ class AdmissionController:
             ticket.max_tokens,
         )  # fmt: skip
 
-    def _try(self, ticket: Ticket, now: float) -> Choice | None:
+    def placement(self, ticket: Ticket, now: float) -> Choice | None:
         """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).
 
         None when every worker is full. The predicted TTFT picks the worker but does not hold
@@ -117,11 +117,11 @@ class AdmissionController:
         """
         candidates = self._router.candidates(ticket.model)
         n = len(candidates)
-        # Below saturation nothing is held back for higher tiers: see :meth:`_reserving`. Its
+        # Below saturation nothing is held back for higher tiers: see :meth:`reserving`. Its
         # slots are what the workers would run at the aim: the loads they were seen at are a
         # lower bound, which would read bursts below saturation as saturation.
         slots = sum(self.limits.proven_cap(w, at_aim=True) for w in candidates)
-        reserving = self._reserving(slots, now)
+        reserving = self.reserving(slots, now)
         # Only tiers below the top keep to the prefill budget: the top tier skips the lookup.
         top = ticket.tier.priority == self.room.top
         # Requests of higher tiers queued in other gateway processes, as this process's own
@@ -152,7 +152,7 @@ class AdmissionController:
             return tokens
         return tokens - self._router.cached_tokens(worker, prefix, tokens)
 
-    def _reserving(self, slots: int, now: float) -> bool:
+    def reserving(self, slots: int, now: float) -> bool:
         """Whether lower tiers must leave slots free for higher ones on workers of ``slots``.
 
         Only when the pool is expected to saturate: every tier's expected requests in, queued
@@ -215,7 +215,7 @@ class AdmissionController:
                     f"the '{tier}' tier's {ticket.tier.ttft_slo_s:g} s target; use a lower tier.",
                 )
             if not self._waiting_ahead(ticket) and not self.demand.yields(ticket.tier, now):
-                room = self._try(ticket, now)
+                room = self.placement(ticket, now)
                 if room is not None:
                     self._decide(ticket.tier, Decision.ADMITTED)
                     self.demand.waited(ticket.tier.priority, 0.0)
@@ -242,7 +242,7 @@ class AdmissionController:
     def _refuse(self, ticket: Ticket, reason: Reason, message: str) -> Overloaded:
         shortage = reason is not Reason.PROMPT_TOO_LONG
         self._decide(ticket.tier, Decision.REJECTED, reason, shortage=shortage)
-        return Overloaded(message, self._retry_after(ticket), reason=reason)
+        return Overloaded(message, self.retry_after(ticket), reason=reason)
 
     async def _wait(self, ticket: Ticket, now: float) -> tuple[Lease, float]:
         ticket.seq = next(self._seq)
@@ -288,7 +288,7 @@ class AdmissionController:
             victim.future.set_exception(
                 Shed(
                     "This request was shed to make room for more urgent work; retry later.",
-                    self._retry_after(victim),
+                    self.retry_after(victim),
                 )
             )
         return True
@@ -299,7 +299,7 @@ class AdmissionController:
         """Capacity may have freed up: run the dispatcher soon (once, however often poked)."""
         if self._queue and not self._poked:
             self._poked = True
-            asyncio.get_running_loop().call_soon(self._dispatch)
+            asyncio.get_running_loop().call_soon(self.dispatch)
 
     def completed(
         self, tier: str, held_s: float, decode_s: float = 0.0, decoded: float = 0.0
@@ -313,7 +313,13 @@ class AdmissionController:
         self.drain.completed(self._clock())
         self.poke()
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
+        """One pass over the queue, now; :meth:`poke` schedules it and the ticker runs it.
+
+        Expired requests leave with 503, and each queued one, highest tier and earliest
+        deadline first, goes to a worker with room. Nobody overtakes a blocked request of its
+        own model.
+        """
         self._poked = False
         now = self._clock()
         blocked: set[str] = set()
@@ -330,7 +336,7 @@ class AdmissionController:
                     QueueTimeout(
                         f"The request waited {now - ticket.arrival:.2f} s in the '"
                         f"{ticket.tier.name}' queue without capacity to meet its SLO.",
-                        self._retry_after(ticket),
+                        self.retry_after(ticket),
                     )
                 )
                 continue
@@ -338,7 +344,7 @@ class AdmissionController:
             if ticket.model in blocked or self.demand.yields(ticket.tier, now):
                 continue
             try:
-                choice = self._try(ticket, now)
+                choice = self.placement(ticket, now)
             except GatewayError:
                 choice = None  # no healthy worker right now: wait for one until the deadline
             if choice is None:
@@ -357,7 +363,7 @@ class AdmissionController:
         while self._queue:
             nearest = min(t.deadline for t in self._queue)
             await asyncio.sleep(max(0.0, min(_TICK_S, nearest - self._clock())))
-            self._dispatch()
+            self.dispatch()
 
     async def stop(self) -> None:
         """Stop the ticker; queued requests are failed by their own cancellation."""
@@ -411,7 +417,7 @@ class AdmissionController:
         rate = self.drain.rate(now)
         return 0.0 if rate <= 0 else self._ahead(ticket) / rate
 
-    def _retry_after(self, ticket: Ticket) -> float:
+    def retry_after(self, ticket: Ticket) -> float:
         """When capacity for this request is likely: the work ahead of it over the drain rate."""
         rate = self.drain.rate(self._clock())
         if rate <= 0:

@@ -173,9 +173,9 @@ class Room:
         priorities, mine = self.priorities, tier.priority
         if any(n and priorities[name] < mine for name, n in worker.tier_prefilling.items()):
             return True
-        return self._higher_likely(tier, workers, worker.prefill_seconds(tokens), now)
+        return self.higher_likely(tier, workers, worker.prefill_seconds(tokens), now)
 
-    def _higher_likely(self, tier: TierSpec, workers: int, seconds: float, now: float) -> bool:
+    def higher_likely(self, tier: TierSpec, workers: int, seconds: float, now: float) -> bool:
         """Whether a request of a tier above ``tier`` is likely at a worker within ``seconds``.
 
         ``_LIKELY_ARRIVALS`` or more expected at those tiers' recent arrival rate, shared over
@@ -214,7 +214,7 @@ class Room:
         seconds = worker.prefill_seconds(tokens)
         if seconds <= budget:
             return False
-        return self._higher_likely(tier, workers, seconds, now)
+        return self.higher_likely(tier, workers, seconds, now)
 
     def _stalls_higher(self, worker: Worker, tier: TierSpec, tokens: float, now: float) -> bool:
         """Whether a prompt of ``tier`` would stall a higher tier's stream past its TPOT aim.

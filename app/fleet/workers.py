@@ -241,6 +241,11 @@ class WorkerPool:
         for spec in settings.workers:
             self._add(spec)
 
+    @property
+    def metrics(self) -> GatewayMetrics:
+        """The metrics the pool exports its workers' state to."""
+        return self._metrics
+
     # Membership ---------------------------------------------------------------------------
 
     def _add(self, spec: WorkerSpec) -> Worker:
@@ -439,7 +444,7 @@ class WorkerPool:
         worker.models = set(cards) | set(worker.spec.models)
         for model in worker.models:
             self._metrics.start_model(model)
-        self._set_up(worker, True, None)
+        self.set_up(worker, True, None)
 
     async def probe_health(self, worker: Worker) -> None:
         """Probe ``/health``; a worker whose models are unknown also gets ``/v1/models`` read."""
@@ -452,7 +457,7 @@ class WorkerPool:
         except httpx.HTTPError as exc:
             self._probe_failed(worker, exc, started)
         else:
-            self._set_up(worker, True, None)
+            self.set_up(worker, True, None)
 
     def _probe_failed(self, worker: Worker, error: BaseException, started: float) -> None:
         """A probe started at ``started`` (loop time) failed: the worker is down.
@@ -468,7 +473,7 @@ class WorkerPool:
                 "state is kept", worker.label, now - started - timeout,
             )  # fmt: skip
             return
-        self._set_up(worker, False, error)
+        self.set_up(worker, False, error)
 
     async def scrape_load(self, worker: Worker) -> None:
         """Read the worker's load from its ``/metrics``."""
@@ -490,7 +495,12 @@ class WorkerPool:
             worker.label, sample.running, sample.waiting, sample.kv_cache_usage, sample.at
         )
 
-    def _set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:
+    def set_up(self, worker: Worker, up: bool, error: BaseException | None) -> None:
+        """A probe's verdict on ``worker``: up, or not (``error`` says why).
+
+        A worker back up after being unreachable starts with an empty prefix index: it may have
+        restarted, and its cache with it.
+        """
         if up and not worker.up:
             log.info("worker %s is up, serving %s", worker.label, sorted(worker.models))
             # Back from being unreachable, perhaps restarted: its prefix cache may be empty.
