@@ -1,4 +1,7 @@
-"""A request's hold on one worker: the one place a worker's load counters change.
+"""A request's hold on one worker, reported to it through the worker's own slot methods.
+
+Only :meth:`app.fleet.workers.Worker.took`, ``prefilled`` and ``gave_back`` change a worker's
+load counters, and only a lease calls them.
 
 Admission takes a lease when it dispatches a request (so the next decision, in the same pass,
 already sees the slot taken), the relay marks the first output on it (the prefill is over) and
@@ -64,12 +67,7 @@ class Lease:
         """Mean requests on the worker from first output to the end, this one included."""
         self.released = False
         self._metrics = metrics
-        worker.add_in_flight(1, now)
-        worker.tier_in_flight[tier] += 1
-        worker.prefilling += 1
-        worker.tier_prefilling[tier] += 1
-        worker.prefill_tokens_ahead += own_tokens
-        self.prefill_peers = worker.prefilling
+        self.prefill_peers = worker.took(tier, own_tokens, now)
         """How many were prefilling on the worker when this one joined, itself included."""
         metrics.worker_routed.labels(worker.label).inc()
         metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
@@ -84,10 +82,7 @@ class Lease:
         self.first = at
         worker = self.worker
         self.first_occupancy = worker.occupancy(at)
-        worker.prefill_tokens_ahead -= self.own_tokens
-        worker.prefilling -= 1
-        worker.tier_prefilling[self.tier] -= 1
-        worker.decoding.add(self)
+        worker.prefilled(self, self.own_tokens)
         return True
 
     def output_gap(self, gap: float, at: float) -> float | None:
@@ -142,12 +137,6 @@ class Lease:
             self.decode_load = (worker.occupancy(now) - self.first_occupancy) / (now - self.first)
         if self.gaps and self.first is not None:
             worker.pace.ended(self.first, self.gaps)
-        worker.add_in_flight(-1, now)
-        worker.tier_in_flight[self.tier] -= 1
-        worker.decoding.discard(self)
-        if self.first is None:
-            worker.prefill_tokens_ahead -= self.own_tokens
-            worker.prefilling -= 1
-            worker.tier_prefilling[self.tier] -= 1
+        worker.gave_back(self, self.own_tokens, self.first is not None, now)
         self._metrics.worker_in_flight.labels(worker.label).set(worker.in_flight)
         return True

@@ -132,6 +132,40 @@ class Worker:
         """
         return self.latency.prefill.slope * (self.prefill_tokens_ahead + tokens)
 
+    # A request's slot: the lease (app.fleet.lease) reports its life here, and only these
+    # methods change the load counters below.
+
+    def took(self, tier: str, prefill_tokens: float, now: float) -> int:
+        """A request of ``tier`` took a slot at ``now``, ``prefill_tokens`` to prefill.
+
+        Returns how many prefill here now, itself included.
+        """
+        self.add_in_flight(1, now)
+        self.tier_in_flight[tier] += 1
+        self.prefilling += 1
+        self.tier_prefilling[tier] += 1
+        self.prefill_tokens_ahead += prefill_tokens
+        return self.prefilling
+
+    def prefilled(self, stream: DecodingStream, prefill_tokens: float) -> None:
+        """``stream`` (of ``stream.tier``) had its first output: it decodes from now on."""
+        self.prefill_tokens_ahead -= prefill_tokens
+        self.prefilling -= 1
+        self.tier_prefilling[stream.tier] -= 1
+        self.decoding.add(stream)
+
+    def gave_back(
+        self, stream: DecodingStream, prefill_tokens: float, prefilled: bool, now: float
+    ) -> None:
+        """``stream``'s slot came back at ``now`` (``prefilled``: after its first output)."""
+        self.add_in_flight(-1, now)
+        self.tier_in_flight[stream.tier] -= 1
+        self.decoding.discard(stream)
+        if not prefilled:
+            self.prefill_tokens_ahead -= prefill_tokens
+            self.prefilling -= 1
+            self.tier_prefilling[stream.tier] -= 1
+
     def add_in_flight(self, delta: int, now: float) -> None:
         """Count ``delta`` requests in (or out of) ``in_flight`` at ``now``."""
         self._occupancy = self.occupancy(now)
