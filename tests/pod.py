@@ -24,7 +24,7 @@ from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _ACCESS = re.compile(r"\[(\d+)\] app\.access: (\S+) \S+ .*? status=(\d+)")
-_READY = re.compile(r"\[(\d+)\] app\.app: gateway ready")
+_READY = re.compile(r"\[(\d+)\] app\.gateway: gateway ready")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
