@@ -1,9 +1,12 @@
-"""The configuration table (docs/configuration.md) is the settings model's."""
+"""The configuration table (docs/configuration.md) is the settings model's, the metrics table
+(docs/metrics.md) the metric specs'."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from app.observe.metrics import METRICS, GatewayMetrics
+from scripts import metrics_table
 from scripts.settings_table import BEGIN, END, table
 
 
@@ -15,3 +18,22 @@ def test_the_configuration_table_matches_the_settings() -> None:
         "run: python -m scripts.settings_table, paste in docs/configuration.md"
     )
     assert "docs/configuration.md" in (root / "README.md").read_text()
+
+
+def test_the_metrics_table_matches_the_metric_specs() -> None:
+    root = Path(__file__).parent.parent
+    doc = (root / "docs" / "metrics.md").read_text()
+    begin, end = metrics_table.BEGIN, metrics_table.END
+    start, stop = doc.index(begin), doc.index(end) + len(end)
+    assert doc[start:stop] == metrics_table.table(), (
+        "run: python -m scripts.metrics_table, paste in docs/metrics.md"
+    )
+
+
+def test_the_metric_attributes_are_typed_as_their_specs_build_them() -> None:
+    kinds = {"counter": "Counter", "gauge": "Gauge", "histogram": "Histogram"}
+    expected = {
+        spec.attr: kinds.get(spec.kind, "BatchHistogram") + (" | None" if spec.only_with else "")
+        for spec in METRICS
+    }
+    assert GatewayMetrics.__annotations__ == expected

@@ -21,7 +21,8 @@ import os
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Self
+from dataclasses import dataclass
+from typing import Any, Literal, Self
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
@@ -264,6 +265,696 @@ class FileBatchHistogramChild(BatchHistogramChild):
             self._sum_value.inc(total)
 
 
+MetricKind = Literal["counter", "gauge", "histogram", "batch_histogram"]
+GaugeMode = Literal[
+    "all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent",
+    "livemostrecent",
+]  # fmt: skip
+"""How prometheus_client's multiprocess mode combines a gauge's values over the processes."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric of :class:`GatewayMetrics`, and its row of docs/metrics.md.
+
+    ``python -m scripts.metrics_table`` prints the table of docs/metrics.md from :data:`METRICS`.
+    """
+
+    attr: str
+    """The attribute of :class:`GatewayMetrics` that holds the metric."""
+    kind: MetricKind
+    name: str
+    """The name given to prometheus_client (a counter's series get ``_total``)."""
+    help_text: str
+    labels: tuple[str, ...] = ()
+    buckets: str | tuple[float, ...] | None = None
+    """A histogram's bounds, or the :class:`Settings` attribute that holds them."""
+    multiprocess_mode: GaugeMode | None = None
+    """A gauge's (see the module's docstring)."""
+    only_with: str | None = None
+    """A :class:`Settings` attribute: without it set, the metric does not exist (``None``)."""
+    doc: str = ""
+    """The metric's meaning in docs/metrics.md (markdown)."""
+
+    @property
+    def exported_name(self) -> str:
+        """The name Prometheus shows (a counter's with ``_total``)."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
+
+    def build(
+        self, settings: Settings, registry: CollectorRegistry
+    ) -> Counter | Gauge | Histogram | BatchHistogram | None:
+        """The metric, registered on ``registry`` (``None`` if ``settings`` leave it out)."""
+        if self.only_with is not None and not getattr(settings, self.only_with):
+            return None
+        if self.kind == "counter":
+            return Counter(self.name, self.help_text, self.labels, registry=registry)
+        if self.kind == "gauge":
+            mode = self.multiprocess_mode or "all"
+            return Gauge(
+                self.name, self.help_text, self.labels, multiprocess_mode=mode, registry=registry
+            )
+        bounds = getattr(settings, self.buckets) if isinstance(self.buckets, str) else self.buckets
+        if bounds is None:
+            raise ValueError(f"{self.name}: a histogram needs buckets")
+        if self.kind == "histogram":
+            return Histogram(
+                self.name, self.help_text, self.labels, buckets=bounds, registry=registry
+            )
+        return BatchHistogram(self.name, self.help_text, self.labels, bounds, registry)
+
+
+# In the order of docs/metrics.md's table.
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "requests",
+        "counter",
+        "gateway_requests",
+        "Finished requests by model, endpoint, status class and outcome.",
+        ("model", "tier", "endpoint", "status_class", "outcome"),
+        doc=(
+            "every response, counted once (and logged once, with the status sent); outcome is "
+            "`ok`, `client_cancelled`, `client_stalled` (the client stopped reading its "
+            "stream, or sent its request too slowly: 408), `upstream_error`, `timeout`, "
+            "`rejected` (admission), `rate_limited` (the key's quota), `gateway_saturated`, "
+            "`gateway_shutdown`, `invalid_request` or `internal_error` (a fault in the "
+            "gateway: 500); endpoint is the relayed endpoint (`chat`, `completions`, "
+            "`responses`, `transcriptions`, `embeddings`, `score`, `rerank`, `pooling`, "
+            "`tokenize`, `detokenize`: each covers its vLLM aliases, see docs/api.md), or "
+            "`models`, `version`, `healthz`, `readyz`, `metrics` or `other` (any other path). "
+            "Responses that are no relayed request's (probes, scrapes, CORS preflights, "
+            "404/405, 408/431 before a route) have empty `model` and `tier`"
+        ),
+    ),
+    MetricSpec(
+        "prompt_tokens",
+        "counter",
+        "gateway_prompt_tokens",
+        "Prompt tokens, from the worker's usage.",
+        ("model", "tier"),
+        doc="prompt tokens from the worker's `usage`",
+    ),
+    MetricSpec(
+        "completion_tokens",
+        "counter",
+        "gateway_completion_tokens",
+        "Completion tokens, from the worker's usage.",
+        ("model", "tier"),
+        doc="completion tokens from the worker's `usage`",
+    ),
+    MetricSpec(
+        "in_flight",
+        "gauge",
+        "gateway_in_flight_requests",
+        "Requests being served now.",
+        ("model", "tier"),
+        multiprocess_mode="livesum",
+        doc="requests being served now",
+    ),
+    MetricSpec(
+        "ttft",
+        "histogram",
+        "gateway_time_to_first_token_seconds",
+        "Arrival to the first streamed event carrying output.",
+        ("model", "tier"),
+        buckets="ttft_buckets",
+        doc=(
+            "arrival (the request's first byte read) to the first event carrying output handed "
+            "to the client's socket ([docs/timing.md](timing.md))"
+        ),
+    ),
+    MetricSpec(
+        "itl",
+        "batch_histogram",
+        "gateway_inter_token_latency_seconds",
+        "Gap between consecutive output events, per token they carry.",
+        ("model", "tier"),
+        buckets="itl_buckets",
+        doc="gap between output events, per token they carry",
+    ),
+    MetricSpec(
+        "tpot",
+        "histogram",
+        "gateway_time_per_output_token_seconds",
+        "(E2E - TTFT) / (completion tokens - 1), per streamed request.",
+        ("model", "tier"),
+        buckets="tpot_buckets",
+        doc="(E2E − TTFT) / (completion tokens − 1)",
+    ),
+    MetricSpec(
+        "e2e",
+        "histogram",
+        "gateway_e2e_request_latency_seconds",
+        "Arrival to the last output event (streamed) or to the whole response.",
+        ("model", "tier"),
+        buckets="e2e_buckets",
+        doc=(
+            "arrival to the last output event (or whole response) handed to the client's "
+            "socket; every endpoint but the tokenizer's (an embedding's is its whole answer, "
+            "docs/api.md)"
+        ),
+    ),
+    MetricSpec(
+        "queue",
+        "histogram",
+        "gateway_queue_time_seconds",
+        "Arrival to dispatch to a worker.",
+        ("model", "tier"),
+        buckets="queue_buckets",
+        doc="arrival to the first dispatch to a worker",
+    ),
+    MetricSpec(
+        "overhead",
+        "histogram",
+        "gateway_overhead_seconds",
+        "Time spent in the gateway's own code per request, not waiting on worker or client.",
+        ("model",),
+        buckets=OVERHEAD_BUCKETS,
+        doc="time in the gateway's own code per request (not queue, not failed attempts)",
+    ),
+    MetricSpec(
+        "failover",
+        "histogram",
+        "gateway_failover_seconds",
+        "Time a request lost on attempts that failed before its first byte (failed over).",
+        ("model",),
+        buckets="queue_buckets",
+        doc="time lost on attempts that failed before the first byte",
+    ),
+    MetricSpec(
+        "loop_lag",
+        "histogram",
+        "gateway_event_loop_lag_seconds",
+        "How late the event loop ran a callback due at a known time (probed every 0.25 s).",
+        (),
+        buckets=LAG_BUCKETS,
+        doc=(
+            "how late the event loop ran a callback due at a known time, probed every 0.25 s: "
+            "time every request and event waited for the loop, which no other timestamp sees "
+            "(below 1 ms it is uvloop's timer resolution)"
+        ),
+    ),
+    MetricSpec(
+        "admission_decisions",
+        "counter",
+        "gateway_admission_decisions",
+        (
+            "Admission decisions (admitted, queued, rejected, shed, expired, cancelled) and, "
+            "for those that turn a request away, why."
+        ),
+        ("tier", "decision", "reason"),
+        doc=(
+            "decision `admitted`, `queued`, `rejected`, `shed`, `expired`, `cancelled`; reason "
+            "`none`, `deadline_unreachable`, `queue_full`, `prompt_too_long`, `key_quota`, "
+            "`no_worker`, `queue_timeout`, `shed`"
+        ),
+    ),
+    MetricSpec(
+        "saturated",
+        "counter",
+        "gateway_saturated",
+        "Requests answered 503 gateway_saturated because the gateway's own resource ran out.",
+        ("resource",),
+        doc=(
+            "requests answered 503 `gateway_saturated` because the gateway's own resource ran "
+            "out: `upstream_connections` (to the workers), `client_connections` "
+            "(`GATEWAY_MAX_CONNECTIONS`) or `event_loop` (a connect to a worker timed out "
+            "late: the loop was too busy to see it complete)"
+        ),
+    ),
+    MetricSpec(
+        "queue_depth",
+        "gauge",
+        "gateway_queue_depth",
+        "Requests waiting in the admission queue.",
+        ("tier",),
+        multiprocess_mode="livesum",
+        doc="requests waiting in the admission queue",
+    ),
+    MetricSpec(
+        "queue_wait",
+        "histogram",
+        "gateway_queue_wait_seconds",
+        "Time spent in the admission queue by queued requests.",
+        ("tier",),
+        buckets="queue_buckets",
+        doc="time queued, for queued requests",
+    ),
+    MetricSpec(
+        "prediction_error",
+        "histogram",
+        "gateway_ttft_prediction_error_seconds",
+        "|actual - predicted| TTFT from dispatch, for the admission predictor.",
+        ("tier",),
+        buckets="ttft_buckets",
+        doc="|actual − predicted| TTFT from dispatch",
+    ),
+    MetricSpec(
+        "slo_requests",
+        "counter",
+        "gateway_slo_requests",
+        (
+            "Requests by SLO result: met, missed_ttft, missed_tpot, missed_both, missed_e2e, "
+            "rejected, errored."
+        ),
+        ("model", "tier", "result"),
+        doc=(
+            "`met`, `missed_ttft`, `missed_tpot`, `missed_both`, `missed_e2e` (non-streamed), "
+            "`rejected`, `errored`; what counts is defined in "
+            "[docs/admission.md](docs/admission.md#goodputs-denominator)"
+        ),
+    ),
+    MetricSpec(
+        "goodput_tokens",
+        "counter",
+        "gateway_goodput_tokens",
+        "Completion tokens of requests that met every SLO.",
+        ("model", "tier"),
+        doc="completion tokens of requests that met every SLO",
+    ),
+    MetricSpec(
+        "goodput_ratio",
+        "gauge",
+        "gateway_goodput_ratio",
+        "Share of requests meeting every SLO over the last minute.",
+        ("tier",),
+        multiprocess_mode="liveall",
+        doc=(
+            "share of the last minute's requests that met every SLO, as admission sees it; NaN "
+            "(no data) when the tier had no request in the last minute, never the last figure. "
+            "Dashboards and alerts compute goodput from `gateway_slo_requests_total` instead, "
+            "over their own windows"
+        ),
+    ),
+    MetricSpec(
+        "tier_ttft_slo",
+        "gauge",
+        "gateway_tier_slo_ttft_seconds",
+        "The tier's TTFT target.",
+        ("tier",),
+        multiprocess_mode="livemax",
+        doc="the configured TTFT target",
+    ),
+    MetricSpec(
+        "tier_tpot_slo",
+        "gauge",
+        "gateway_tier_slo_tpot_seconds",
+        "The tier's TPOT target.",
+        ("tier",),
+        multiprocess_mode="livemax",
+        doc="the configured TPOT target",
+    ),
+    MetricSpec(
+        "tier_objective",
+        "gauge",
+        "gateway_slo_objective",
+        "Share of the tier's requests that must meet every SLO (the goodput objective).",
+        ("tier",),
+        multiprocess_mode="livemax",
+        doc=(
+            "the configured objective (`objective` in `GATEWAY_TIERS`): the share of requests "
+            "that must meet every SLO; the burn-rate alerts' error budget is 1 minus it"
+        ),
+    ),
+    # Unlabelled, so they exist at zero: an alert on "no worker" needs a series that says 0.
+    MetricSpec(
+        "workers_known",
+        "gauge",
+        "gateway_workers_known",
+        "Workers the gateway knows (configured or discovered).",
+        (),
+        multiprocess_mode="livemax",
+        doc=(
+            'workers the gateway knows; exported from the start, so "no worker" reads 0 rather '
+            "than no series"
+        ),
+    ),
+    MetricSpec(
+        "workers_healthy",
+        "gauge",
+        "gateway_workers_healthy",
+        "Workers that may take requests now: up, not ejected, not draining.",
+        (),
+        multiprocess_mode="livemax",
+        doc=(
+            "workers that may take requests now (up, not ejected, not draining); exported from "
+            'the start, so "no worker" reads 0 rather than no series'
+        ),
+    ),
+    MetricSpec(
+        "worker_up",
+        "gauge",
+        "gateway_worker_up",
+        "1 if the worker is healthy: answers its probe, not ejected.",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc="healthy",
+    ),
+    MetricSpec(
+        "worker_ejected",
+        "gauge",
+        "gateway_worker_ejected",
+        "1 while passive health keeps the worker out of rotation.",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc="ejected by passive health",
+    ),
+    MetricSpec(
+        "worker_routed",
+        "counter",
+        "gateway_worker_routed_requests",
+        "Requests (attempts) sent to the worker.",
+        ("worker",),
+        doc="attempts sent",
+    ),
+    MetricSpec(
+        "worker_failovers",
+        "counter",
+        "gateway_worker_failovers",
+        "Requests moved to another worker after failing here before their first byte.",
+        ("worker",),
+        doc="requests moved away",
+    ),
+    MetricSpec(
+        "worker_ejections",
+        "counter",
+        "gateway_worker_ejections",
+        "Times the worker was ejected after repeated failures.",
+        ("worker",),
+        doc="ejections",
+    ),
+    MetricSpec(
+        "worker_running",
+        "gauge",
+        "gateway_worker_running_requests",
+        "vllm:num_requests_running, as last scraped.",
+        ("worker",),
+        multiprocess_mode="livemostrecent",
+        doc="the worker's own running requests, as last scraped",
+    ),
+    MetricSpec(
+        "worker_waiting",
+        "gauge",
+        "gateway_worker_waiting_requests",
+        "vllm:num_requests_waiting, as last scraped.",
+        ("worker",),
+        multiprocess_mode="livemostrecent",
+        doc="the worker's own waiting requests, as last scraped",
+    ),
+    MetricSpec(
+        "worker_kv_cache",
+        "gauge",
+        "gateway_worker_kv_cache_usage_ratio",
+        "vllm:kv_cache_usage_perc (0..1), as scraped.",
+        ("worker",),
+        multiprocess_mode="livemostrecent",
+        doc="the worker's own KV cache usage (0..1), as last scraped",
+    ),
+    MetricSpec(
+        "worker_load_age",
+        "gauge",
+        "gateway_worker_load_age_seconds",
+        "Age of the worker's load figures at export time.",
+        ("worker",),
+        multiprocess_mode="livemin",
+        doc="age of those figures",
+    ),
+    MetricSpec(
+        "worker_in_flight",
+        "gauge",
+        "gateway_worker_in_flight_requests",
+        "Requests the gateway has open on the worker.",
+        ("worker",),
+        multiprocess_mode="livesum",
+        doc="requests the gateway has open on the worker",
+    ),
+    MetricSpec(
+        "worker_ttft",
+        "histogram",
+        "gateway_worker_time_to_first_token_seconds",
+        "Dispatch to first output event, per worker.",
+        ("worker",),
+        buckets="ttft_buckets",
+        doc="TTFT measured per worker (from dispatch)",
+    ),
+    MetricSpec(
+        "worker_itl",
+        "batch_histogram",
+        "gateway_worker_inter_token_latency_seconds",
+        "Inter-token latency, per worker.",
+        ("worker",),
+        buckets="itl_buckets",
+        doc="inter-token latency measured per worker",
+    ),
+    MetricSpec(
+        "worker_completion_tokens",
+        "counter",
+        "gateway_worker_completion_tokens",
+        "Completion tokens generated by the worker.",
+        ("worker",),
+        doc="decode output, for tokens/s",
+    ),
+    MetricSpec(
+        "worker_peak_flops",
+        "gauge",
+        "gateway_worker_peak_flops_per_second",
+        "The worker's configured peak FLOP/s (per GPU).",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc=(
+            "the worker's configured peak per GPU (`GATEWAY_HARDWARE`'s `peak_tflops`), which "
+            "MFU divides vLLM's `vllm:estimated_*_per_gpu_total` by"
+        ),
+    ),
+    MetricSpec(
+        "worker_bandwidth",
+        "gauge",
+        "gateway_worker_memory_bandwidth_bytes_per_second",
+        "The worker's configured memory bandwidth (per GPU).",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc=(
+            "the worker's configured peak per GPU (`GATEWAY_HARDWARE`'s "
+            "`memory_bandwidth_gbs`), which MBU divides vLLM's "
+            "`vllm:estimated_*_per_gpu_total` by"
+        ),
+    ),
+    MetricSpec(
+        "worker_roofline",
+        "gauge",
+        "gateway_worker_decode_roofline_tokens_per_second",
+        "Memory-bandwidth limit of the worker's decode tokens/s for its current batch.",
+        ("worker",),
+        multiprocess_mode="livemostrecent",
+        doc=(
+            "memory-bandwidth limit of decode tokens/s for the current batch, estimated from "
+            "the configured model (`model_params_billion` ...); the MBU fallback for engines "
+            "without vLLM's counters"
+        ),
+    ),
+    MetricSpec(
+        "worker_concurrency_limit",
+        "gauge",
+        "gateway_worker_concurrency_limit",
+        (
+            "Most requests admission lets run on the worker (keeps the TPOT target of the "
+            "tiers in play)."
+        ),
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc=(
+            "admission's running limit for the worker: the hard cap until latency or the "
+            "worker says otherwise"
+        ),
+    ),
+    MetricSpec(
+        "worker_prefill_limit",
+        "gauge",
+        "gateway_worker_prefill_concurrency_limit",
+        "Most requests admission lets prefill on the worker at once (keeps TTFT short).",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc=(
+            "admission's prefill limit for the worker: the hard cap until latency or the "
+            "worker says otherwise"
+        ),
+    ),
+    MetricSpec(
+        "worker_proven_concurrency",
+        "gauge",
+        "gateway_worker_proven_concurrency",
+        (
+            "Requests the worker was seen to serve within the TPOT aim while its concurrency "
+            "limit is unmeasured (slots kept for higher tiers come out of it); 0 once the "
+            "limit is measured or before any such load."
+        ),
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc=(
+            "while the running limit is unmeasured, the most the worker was seen to run with a "
+            "stream's TPOT within the aim: slots kept for higher tiers come out of it, not the "
+            "limit; 0 once the limit is measured or before such a load"
+        ),
+    ),
+    MetricSpec(
+        "worker_limit_cuts",
+        "counter",
+        "gateway_worker_limit_cuts",
+        "Times admission lowered the worker's running or prefill limit, by cause.",
+        ("worker", "cause"),
+        doc=(
+            "times admission lowered the worker's running limit (`tpot_miss`, `decode_pace`, "
+            "`decode_line`, `worker_queueing`) or prefill limit (`ttft_miss`); every cause "
+            "starts at 0"
+        ),
+    ),
+    MetricSpec(
+        "worker_decode_pace",
+        "gauge",
+        "gateway_worker_decode_pace_seconds",
+        (
+            "Mean gap per token between output events of the worker's running streams, over "
+            "the last few seconds (cuts the concurrency limit when over the TPOT target)."
+        ),
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc=(
+            "mean gap per token between the output events of the worker's running streams over "
+            "the last 3 s; over the TPOT target the limits keep it cuts the running limit at "
+            "once"
+        ),
+    ),
+    MetricSpec(
+        "worker_prefilling",
+        "gauge",
+        "gateway_worker_prefilling_requests",
+        "Requests sent to the worker that have not produced their first token yet.",
+        ("worker",),
+        multiprocess_mode="livesum",
+        doc=(
+            "requests sent to the worker that have not produced their first token yet (counted "
+            "against the prefill limit)"
+        ),
+    ),
+    MetricSpec(
+        "worker_prefill_rate",
+        "gauge",
+        "gateway_worker_prefill_tokens_per_second",
+        "Learnt prefill speed of the worker (inverse of the TTFT model's per-token slope).",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc="the latency model learnt online: prefill speed",
+    ),
+    MetricSpec(
+        "worker_decode_step",
+        "gauge",
+        "gateway_worker_decode_step_seconds",
+        "Learnt TPOT model: time per decode step with one sequence running.",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc="the latency model learnt online: decode step time with one sequence",
+    ),
+    MetricSpec(
+        "worker_decode_per_sequence",
+        "gauge",
+        "gateway_worker_decode_seconds_per_sequence",
+        "Learnt TPOT model: how much each running sequence adds to a decode step.",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc="the latency model learnt online: what each running sequence adds",
+    ),
+    MetricSpec(
+        "worker_prefix_queries",
+        "counter",
+        "gateway_worker_prefix_query_tokens",
+        "Estimated prompt tokens routed to the worker by the prefix_aware policy.",
+        ("worker",),
+        doc="under `prefix_aware` routing: estimated prompt tokens routed to the worker",
+    ),
+    MetricSpec(
+        "worker_prefix_hits",
+        "counter",
+        "gateway_worker_predicted_prefix_hit_tokens",
+        (
+            "Of those, the tokens prefix_aware routing predicted the worker had cached: over "
+            "gateway_worker_prefix_query_tokens, the predicted prefix-cache hit rate."
+        ),
+        ("worker",),
+        doc=(
+            "under `prefix_aware` routing: of `gateway_worker_prefix_query_tokens_total`, the "
+            "tokens predicted to be in the worker's prefix cache; their ratio is the predicted "
+            "hit rate, to set beside vLLM's `vllm:prefix_cache_hits_total` / "
+            "`vllm:prefix_cache_queries_total`"
+        ),
+    ),
+    MetricSpec(
+        "worker_prefix_blocks",
+        "gauge",
+        "gateway_worker_prefix_index_blocks",
+        "Blocks of recent prompts the prefix_aware index remembers for the worker.",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc=(
+            "blocks of 256 characters of recent prompts the `prefix_aware` index remembers for "
+            "the worker"
+        ),
+    ),
+    MetricSpec(
+        "prefix_index_bytes",
+        "gauge",
+        "gateway_prefix_index_bytes",
+        (
+            "Memory held by the prefix_aware index of all workers (capped by "
+            "GATEWAY_PREFIX_INDEX_MB per gateway process)."
+        ),
+        (),
+        multiprocess_mode="livesum",
+        doc=(
+            "memory held by the `prefix_aware` index, all workers together (capped by "
+            "`GATEWAY_PREFIX_INDEX_MB`)"
+        ),
+    ),
+    # Only with Redis configured: without it there is nothing shared to be down.
+    MetricSpec(
+        "shared_state_up",
+        "gauge",
+        "gateway_shared_state_up",
+        (
+            "1 while Redis (GATEWAY_REDIS_URL) answers: key limits and admission's views are "
+            "the fleet's. 0 while the gateway uses its own (the lowest of its processes)."
+        ),
+        (),
+        multiprocess_mode="livemin",
+        only_with="redis_url",
+        doc=(
+            "only with `GATEWAY_REDIS_URL`: 1 while Redis answers within "
+            "`GATEWAY_REDIS_TIMEOUT_S` (key limits and admission's views are the fleet's), 0 "
+            "while the gateway runs on its own (the lowest of its processes); "
+            "`GatewaySharedStateDown` fires after a minute at 0"
+        ),
+    ),
+    MetricSpec(
+        "library_assumption",
+        "gauge",
+        "gateway_library_assumption",
+        (
+            "1 where an undocumented part of a library the gateway leans on is as expected, 0 "
+            "where not (logged at start-up with what it costs)."
+        ),
+        ("assumption",),
+        multiprocess_mode="livemin",
+        doc=(
+            "1 where an undocumented part of a library the gateway leans on holds in the "
+            "versions installed, 0 where it does not (logged at start-up, with what it costs): "
+            "`uvicorn_protocol_contract`, `uvicorn_multiprocess`, "
+            "`prometheus_metric_children`. `pyproject.toml` bounds those libraries at the "
+            "releases the suite passed on; a 0 means an install outside the bounds"
+        ),
+    ),
+)
+"""Every metric of :class:`GatewayMetrics`, each built by :meth:`MetricSpec.build`."""
+
+
 class GatewayMetrics:
     """Every metric the gateway exports, registered on ``registry``.
 
@@ -271,6 +962,63 @@ class GatewayMetrics:
     process that is never exposed; :attr:`registry`, the one ``/metrics`` exposes, then merges
     every process's files.
     """
+
+    requests: Counter
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    in_flight: Gauge
+    ttft: Histogram
+    itl: BatchHistogram
+    tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    overhead: Histogram
+    failover: Histogram
+    loop_lag: Histogram
+    admission_decisions: Counter
+    saturated: Counter
+    queue_depth: Gauge
+    queue_wait: Histogram
+    prediction_error: Histogram
+    slo_requests: Counter
+    goodput_tokens: Counter
+    goodput_ratio: Gauge
+    tier_ttft_slo: Gauge
+    tier_tpot_slo: Gauge
+    tier_objective: Gauge
+    workers_known: Gauge
+    workers_healthy: Gauge
+    worker_up: Gauge
+    worker_ejected: Gauge
+    worker_routed: Counter
+    worker_failovers: Counter
+    worker_ejections: Counter
+    worker_running: Gauge
+    worker_waiting: Gauge
+    worker_kv_cache: Gauge
+    worker_load_age: Gauge
+    worker_in_flight: Gauge
+    worker_ttft: Histogram
+    worker_itl: BatchHistogram
+    worker_completion_tokens: Counter
+    worker_peak_flops: Gauge
+    worker_bandwidth: Gauge
+    worker_roofline: Gauge
+    worker_concurrency_limit: Gauge
+    worker_prefill_limit: Gauge
+    worker_proven_concurrency: Gauge
+    worker_limit_cuts: Counter
+    worker_decode_pace: Gauge
+    worker_prefilling: Gauge
+    worker_prefill_rate: Gauge
+    worker_decode_step: Gauge
+    worker_decode_per_sequence: Gauge
+    worker_prefix_queries: Counter
+    worker_prefix_hits: Counter
+    worker_prefix_blocks: Gauge
+    prefix_index_bytes: Gauge
+    shared_state_up: Gauge | None
+    library_assumption: Gauge
 
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         path = multiprocess_dir()
@@ -282,292 +1030,10 @@ class GatewayMetrics:
         else:
             self.registry = registry if registry is not None else CollectorRegistry()
             reg = self.registry
-        by_model = ["model"]
-        by_tier = ["model", "tier"]
-        self.requests = Counter(
-            "gateway_requests",
-            "Finished requests by model, endpoint, status class and outcome.",
-            ["model", "tier", "endpoint", "status_class", "outcome"],
-            registry=reg,
-        )
-        self.prompt_tokens = Counter(
-            "gateway_prompt_tokens", "Prompt tokens, from the worker's usage.", by_tier,
-            registry=reg,
-        )  # fmt: skip
-        self.completion_tokens = Counter(
-            "gateway_completion_tokens", "Completion tokens, from the worker's usage.", by_tier,
-            registry=reg,
-        )  # fmt: skip
-        self.in_flight = Gauge(
-            "gateway_in_flight_requests",
-            "Requests being served now.",
-            by_tier,
-            multiprocess_mode="livesum",
-            registry=reg,
-        )
-        self.ttft = Histogram(
-            "gateway_time_to_first_token_seconds",
-            "Arrival to the first streamed event carrying output.",
-            by_tier, buckets=settings.ttft_buckets, registry=reg,
-        )  # fmt: skip
-        self.itl = BatchHistogram(
-            "gateway_inter_token_latency_seconds",
-            "Gap between consecutive output events, per token they carry.",
-            by_tier, buckets=settings.itl_buckets, registry=reg,
-        )  # fmt: skip
-        self.tpot = Histogram(
-            "gateway_time_per_output_token_seconds",
-            "(E2E - TTFT) / (completion tokens - 1), per streamed request.",
-            by_tier, buckets=settings.tpot_buckets, registry=reg,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "gateway_e2e_request_latency_seconds",
-            "Arrival to the last output event (streamed) or to the whole response.",
-            by_tier, buckets=settings.e2e_buckets, registry=reg,
-        )  # fmt: skip
-        self.queue = Histogram(
-            "gateway_queue_time_seconds",
-            "Arrival to dispatch to a worker.",
-            by_tier, buckets=settings.queue_buckets, registry=reg,
-        )  # fmt: skip
-        self.overhead = Histogram(
-            "gateway_overhead_seconds",
-            "Time spent in the gateway's own code per request, not waiting on worker or client.",
-            by_model, buckets=OVERHEAD_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.loop_lag = Histogram(
-            "gateway_event_loop_lag_seconds",
-            "How late the event loop ran a callback due at a known time (probed every 0.25 s).",
-            buckets=LAG_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.failover = Histogram(
-            "gateway_failover_seconds",
-            "Time a request lost on attempts that failed before its first byte (failed over).",
-            by_model, buckets=settings.queue_buckets, registry=reg,
-        )  # fmt: skip
-        by_worker = ["worker"]
-        self.worker_up = Gauge(
-            "gateway_worker_up", "1 if the worker is healthy: answers its probe, not ejected.",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_ejected = Gauge(
-            "gateway_worker_ejected", "1 while passive health keeps the worker out of rotation.",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_ejections = Counter(
-            "gateway_worker_ejections", "Times the worker was ejected after repeated failures.",
-            by_worker, registry=reg,
-        )  # fmt: skip
-        self.worker_routed = Counter(
-            "gateway_worker_routed_requests", "Requests (attempts) sent to the worker.",
-            by_worker, registry=reg,
-        )  # fmt: skip
-        self.worker_failovers = Counter(
-            "gateway_worker_failovers",
-            "Requests moved to another worker after failing here before their first byte.",
-            by_worker, registry=reg,
-        )  # fmt: skip
-        self.worker_running = Gauge(
-            "gateway_worker_running_requests", "vllm:num_requests_running, as last scraped.",
-            by_worker, multiprocess_mode="livemostrecent", registry=reg,
-        )  # fmt: skip
-        self.worker_waiting = Gauge(
-            "gateway_worker_waiting_requests", "vllm:num_requests_waiting, as last scraped.",
-            by_worker, multiprocess_mode="livemostrecent", registry=reg,
-        )  # fmt: skip
-        self.worker_kv_cache = Gauge(
-            "gateway_worker_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc (0..1), as scraped.",
-            by_worker, multiprocess_mode="livemostrecent", registry=reg,
-        )  # fmt: skip
-        self.worker_load_age = Gauge(
-            "gateway_worker_load_age_seconds", "Age of the worker's load figures at export time.",
-            by_worker, multiprocess_mode="livemin", registry=reg,
-        )  # fmt: skip
-        self.worker_in_flight = Gauge(
-            "gateway_worker_in_flight_requests", "Requests the gateway has open on the worker.",
-            by_worker, multiprocess_mode="livesum", registry=reg,
-        )  # fmt: skip
-        self.worker_ttft = Histogram(
-            "gateway_worker_time_to_first_token_seconds",
-            "Dispatch to first output event, per worker.",
-            by_worker, buckets=settings.ttft_buckets, registry=reg,
-        )  # fmt: skip
-        self.worker_itl = BatchHistogram(
-            "gateway_worker_inter_token_latency_seconds", "Inter-token latency, per worker.",
-            by_worker, buckets=settings.itl_buckets, registry=reg,
-        )  # fmt: skip
-        self.worker_completion_tokens = Counter(
-            "gateway_worker_completion_tokens", "Completion tokens generated by the worker.",
-            by_worker, registry=reg,
-        )  # fmt: skip
-        self.worker_roofline = Gauge(
-            "gateway_worker_decode_roofline_tokens_per_second",
-            "Memory-bandwidth limit of the worker's decode tokens/s for its current batch.",
-            by_worker, multiprocess_mode="livemostrecent", registry=reg,
-        )  # fmt: skip
-        self.worker_bandwidth = Gauge(
-            "gateway_worker_memory_bandwidth_bytes_per_second",
-            "The worker's configured memory bandwidth (per GPU).", by_worker,
-            multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_peak_flops = Gauge(
-            "gateway_worker_peak_flops_per_second",
-            "The worker's configured peak FLOP/s (per GPU).", by_worker,
-            multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_concurrency_limit = Gauge(
-            "gateway_worker_concurrency_limit",
-            "Most requests admission lets run on the worker (keeps the TPOT target of the tiers "
-            "in play).",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_proven_concurrency = Gauge(
-            "gateway_worker_proven_concurrency",
-            "Requests the worker was seen to serve within the TPOT aim while its concurrency "
-            "limit is unmeasured (slots kept for higher tiers come out of it); 0 once the "
-            "limit is measured or before any such load.",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_decode_pace = Gauge(
-            "gateway_worker_decode_pace_seconds",
-            "Mean gap per token between output events of the worker's running streams, over "
-            "the last few seconds (cuts the concurrency limit when over the TPOT target).",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_limit_cuts = Counter(
-            "gateway_worker_limit_cuts",
-            "Times admission lowered the worker's running or prefill limit, by cause.",
-            ["worker", "cause"], registry=reg,
-        )  # fmt: skip
-        self.worker_prefill_limit = Gauge(
-            "gateway_worker_prefill_concurrency_limit",
-            "Most requests admission lets prefill on the worker at once (keeps TTFT short).",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_prefilling = Gauge(
-            "gateway_worker_prefilling_requests",
-            "Requests sent to the worker that have not produced their first token yet.",
-            by_worker, multiprocess_mode="livesum", registry=reg,
-        )  # fmt: skip
-        self.worker_prefill_rate = Gauge(
-            "gateway_worker_prefill_tokens_per_second",
-            "Learnt prefill speed of the worker (inverse of the TTFT model's per-token slope).",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_decode_step = Gauge(
-            "gateway_worker_decode_step_seconds",
-            "Learnt TPOT model: time per decode step with one sequence running.",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_decode_per_sequence = Gauge(
-            "gateway_worker_decode_seconds_per_sequence",
-            "Learnt TPOT model: how much each running sequence adds to a decode step.",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.worker_prefix_queries = Counter(
-            "gateway_worker_prefix_query_tokens",
-            "Estimated prompt tokens routed to the worker by the prefix_aware policy.",
-            by_worker, registry=reg,
-        )  # fmt: skip
-        self.worker_prefix_hits = Counter(
-            "gateway_worker_predicted_prefix_hit_tokens",
-            "Of those, the tokens prefix_aware routing predicted the worker had cached: over "
-            "gateway_worker_prefix_query_tokens, the predicted prefix-cache hit rate.",
-            by_worker, registry=reg,
-        )  # fmt: skip
-        self.worker_prefix_blocks = Gauge(
-            "gateway_worker_prefix_index_blocks",
-            "Blocks of recent prompts the prefix_aware index remembers for the worker.",
-            by_worker, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.prefix_index_bytes = Gauge(
-            "gateway_prefix_index_bytes",
-            "Memory held by the prefix_aware index of all workers (capped by "
-            "GATEWAY_PREFIX_INDEX_MB per gateway process).",
-            multiprocess_mode="livesum",
-            registry=reg,
-        )
-        by_tier_only = ["tier"]
-        self.admission_decisions = Counter(
-            "gateway_admission_decisions",
-            "Admission decisions (admitted, queued, rejected, shed, expired, cancelled) and, for "
-            "those that turn a request away, why.",
-            ["tier", "decision", "reason"], registry=reg,
-        )  # fmt: skip
-        self.queue_depth = Gauge(
-            "gateway_queue_depth", "Requests waiting in the admission queue.", by_tier_only,
-            multiprocess_mode="livesum", registry=reg,
-        )  # fmt: skip
-        self.queue_wait = Histogram(
-            "gateway_queue_wait_seconds", "Time spent in the admission queue by queued requests.",
-            by_tier_only, buckets=settings.queue_buckets, registry=reg,
-        )  # fmt: skip
-        self.prediction_error = Histogram(
-            "gateway_ttft_prediction_error_seconds",
-            "|actual - predicted| TTFT from dispatch, for the admission predictor.",
-            by_tier_only, buckets=settings.ttft_buckets, registry=reg,
-        )  # fmt: skip
-        self.slo_requests = Counter(
-            "gateway_slo_requests",
-            "Requests by SLO result: met, missed_ttft, missed_tpot, missed_both, missed_e2e, "
-            "rejected, errored.",
-            ["model", "tier", "result"], registry=reg,
-        )  # fmt: skip
-        self.goodput_tokens = Counter(
-            "gateway_goodput_tokens", "Completion tokens of requests that met every SLO.",
-            by_tier, registry=reg,
-        )  # fmt: skip
-        self.goodput_ratio = Gauge(
-            "gateway_goodput_ratio", "Share of requests meeting every SLO over the last minute.",
-            by_tier_only, multiprocess_mode="liveall", registry=reg,
-        )  # fmt: skip
-        self.tier_ttft_slo = Gauge(
-            "gateway_tier_slo_ttft_seconds", "The tier's TTFT target.", by_tier_only,
-            multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.tier_objective = Gauge(
-            "gateway_slo_objective",
-            "Share of the tier's requests that must meet every SLO (the goodput objective).",
-            by_tier_only, multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.tier_tpot_slo = Gauge(
-            "gateway_tier_slo_tpot_seconds", "The tier's TPOT target.", by_tier_only,
-            multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.saturated = Counter(
-            "gateway_saturated",
-            "Requests answered 503 gateway_saturated because the gateway's own resource ran out.",
-            ["resource"], registry=reg,
-        )  # fmt: skip
+        for spec in METRICS:
+            setattr(self, spec.attr, spec.build(settings, reg))
         self.saturated.labels(UPSTREAM_CONNECTIONS)
         self.saturated.labels(EVENT_LOOP)
-        # Unlabelled, so they exist at zero: an alert on "no worker" needs a series that says 0.
-        self.workers_known = Gauge(
-            "gateway_workers_known", "Workers the gateway knows (configured or discovered).",
-            multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        self.workers_healthy = Gauge(
-            "gateway_workers_healthy", "Workers that may take requests now: up, not ejected, "
-            "not draining.", multiprocess_mode="livemax", registry=reg,
-        )  # fmt: skip
-        # Only with Redis configured: without it there is nothing shared to be down.
-        self.shared_state_up = (
-            Gauge(
-                "gateway_shared_state_up",
-                "1 while Redis (GATEWAY_REDIS_URL) answers: key limits and admission's views are "
-                "the fleet's. 0 while the gateway uses its own (the lowest of its processes).",
-                multiprocess_mode="livemin",
-                registry=reg,
-            )
-            if settings.redis_url
-            else None
-        )
-        self.library_assumption = Gauge(
-            "gateway_library_assumption",
-            "1 where an undocumented part of a library the gateway leans on is as expected, 0 "
-            "where not (logged at start-up with what it costs).",
-            ["assumption"], multiprocess_mode="livemin", registry=reg,
-        )  # fmt: skip
         for tier in settings.tiers:
             # Exported at zero from the start: rate() counts only increases between scrapes, so
             # a series that first appears with its first burst of events shows no rate for it.
