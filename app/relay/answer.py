@@ -75,12 +75,7 @@ class Answer:
         pending = self._out.write(events[0] if len(events) == 1 else b"".join(events))
         if pending is not None:
             return self._sent_later(pending, outputs, done)
-        if outputs:
-            timer = self._timer
-            sent, output = timer.clock(), timer.output
-            for _ in range(outputs):
-                output(sent)
-        self.answered = done
+        self._sent(outputs, done)
         return None
 
     async def send_all(self, events: list[bytes], outputs: int) -> None:
@@ -96,10 +91,15 @@ class Answer:
         if pending is not None:
             await pending
 
+    def _sent(self, outputs: int, done: bool) -> None:
+        """The events are on the socket: their outputs are timed now."""
+        if outputs:
+            timer = self._timer
+            sent = timer.clock()
+            for _ in range(outputs):
+                timer.output(sent)
+        self.answered = done
+
     async def _sent_later(self, pending: Awaitable[None], outputs: int, done: bool) -> None:
         await pending
-        timer = self._timer
-        sent = timer.clock()
-        for _ in range(outputs):
-            timer.output(sent)
-        self.answered = done
+        self._sent(outputs, done)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from app.admission.auth import Identity
 from app.api.errors import GatewayError, RateLimited, UpstreamUnavailable
 from app.api.outcome import Decision, Outcome, Reason
 from app.api.protocol import Endpoint, ParsedRequest
@@ -47,9 +46,6 @@ class RequestEnd:
     tokens: tuple[int, int] | None = None
     """``(prompt, completion)`` from the worker's usage."""
     request: ParsedRequest | None = None
-    identity: Identity | None = None
-    charged_tokens: float = 0.0
-    """Tokens charged to the key's per-minute allowance up front (corrected here)."""
     lease: Lease | None = None
     """The last attempt's lease (released already)."""
 

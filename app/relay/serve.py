@@ -365,8 +365,6 @@ class Relay:
             waited_s=timer.clock() - timer.arrival,
             tokens=tokens,
             request=self._request,
-            identity=ctx.identity,
-            charged_tokens=ctx.charged_tokens,
             lease=self._lease,
         )
         try:

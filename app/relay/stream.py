@@ -61,7 +61,6 @@ class StreamPump:
         "_restore",
         "_send",
         "_splitter",
-        "_timer",
         "_total_at",
         "_worker",
         "done",
@@ -82,7 +81,6 @@ class StreamPump:
         self._send, self._feedback, self._lease, self._worker = send, feedback, lease, lease.worker
         self._deadline, self._deadline_at, self._total_at = deadline, deadline_at, total_at
         self._loop = asyncio.get_running_loop()
-        self._timer = timer
         self._clock = timer.clock
         self._idle = idle_s
         self._keep_usage = request.wants_usage
@@ -179,8 +177,7 @@ class StreamPump:
             if seen:
                 self._feedback.outputs(self._lease, seen, before, received)
         if pending is None and self.last_received is not None:
-            total_at, idle_at = self._total_at, self._loop.time() + self._idle
-            self._deadline.move(idle_at if total_at is None or idle_at < total_at else total_at)
+            self._deadline.move(self.read_deadline())
         self.overhead_s += self._clock() - received
         return pending
 
