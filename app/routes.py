@@ -19,12 +19,14 @@ from app.admission.queue import Ticket
 from app.api.errors import GatewayError, error_body
 from app.api.protocol import (
     ENDPOINT_PATHS,
+    NO_TARGETS,
     Cost,
     Endpoint,
     ParsedRequest,
     endpoint_fields,
     parse_form,
     parse_request,
+    slo_targets,
 )
 from app.fleet.upstream import worker_get
 from app.http.arrival import arrival
@@ -81,6 +83,9 @@ async def _relay(
             request.headers.get("authorization"), request.headers.get(state.settings.tier_header)
         )
         tier = identity.tier.name
+        targets = NO_TARGETS
+        if state.settings.slo_headers:
+            targets = slo_targets(request.headers.get)
         parsed = await _parse(request, state, endpoint)
         if not parsed.model:
             parsed.model = state.router.default_model()
@@ -109,12 +114,13 @@ async def _relay(
         response.headers["x-request-id"] = request_id
         return response
     ticket = Ticket(
-        identity.tier,
+        identity.tier.with_targets(targets.ttft_s, targets.tpot_s),
         model,
         own_tokens,
         state.router.route_key(_session(request, parsed, state.settings.affinity_header), parsed),
         timer.arrival,
         parsed.max_tokens,
+        own_ttft=targets.ttft_s is not None,
     )
     scope = request.scope
     ctx = RequestContext(

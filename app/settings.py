@@ -112,6 +112,22 @@ class TierSpec(BaseModel):
         "objective the burn-rate alerts read from gateway_slo_objective).",
     )
 
+    def with_targets(self, ttft_s: float | None, tpot_s: float | None) -> TierSpec:
+        """The tier for one request that sent its own targets (None: the tier's).
+
+        The name, priority, queue wait, shedding and objective stay the tier's, and so do the
+        limits and labels that read the tier by name; only the TTFT and TPOT targets that the
+        request's deadline and its goodput verdict are judged by become its own.
+        """
+        if ttft_s is None and tpot_s is None:
+            return self
+        update: dict[str, float] = {}
+        if ttft_s is not None:
+            update["ttft_slo_s"] = ttft_s
+        if tpot_s is not None:
+            update["tpot_slo_s"] = tpot_s
+        return self.model_copy(update=update)
+
 
 DEFAULT_TIERS = (
     TierSpec(name="interactive", priority=0, ttft_slo_s=1.0, tpot_slo_s=0.1, max_queue_wait_s=1.0),
@@ -313,6 +329,12 @@ class Settings(BaseSettings):
     )
     tier_header: str = Field(
         default="x-gateway-tier", description="Header a client uses to ask for a lower tier."
+    )
+    slo_headers: bool = Field(
+        default=True,
+        description="Honour a request's own targets, `x-slo-ttft-ms` and `x-slo-tpot-ms` (or "
+        "llm-d's `x-llm-d-slo-ttft-ms` / `x-llm-d-slo-tpot-ms`), in place of its tier's in "
+        "admission and goodput; false ignores them.",
     )
     admission: bool = Field(
         default=True, description="SLO-aware admission; false relays everything at once."

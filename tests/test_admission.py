@@ -1094,6 +1094,73 @@ async def test_a_request_that_cannot_meet_its_ttft_even_by_waiting_is_rejected_4
     await admission.admit(_ticket(settings, clock, "batch", tokens=50_000))
 
 
+def _own(settings: Settings, clock: FakeClock, tier: str, ttft_s: float, **more: float) -> Ticket:
+    """A ticket of ``tier`` whose request sent its own TTFT target (``x-slo-ttft-ms``)."""
+    spec = _tier(settings, tier).with_targets(ttft_s, None)
+    return Ticket(spec, MODEL, more.get("tokens", 10), NO_KEY, clock.now, own_ttft=True)
+
+
+async def test_a_requests_own_unreachable_target_is_served_at_once_below_saturation() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)
+    # 50k tokens would be refused at the tier's own 1 s target (the test above); the
+    # request's own 10 ms target is as far out of reach, yet with room it runs at once.
+    lease, waited = await admission.admit(_own(settings, clock, "interactive", 0.01, tokens=50e3))
+    assert (lease.worker, waited) == (pool.workers["a:1"], 0.0)
+    assert _decisions(metrics, "interactive", "admitted") == 1
+    # Saturated (the only slot taken): now the unreachable deadline is refused at once.
+    with pytest.raises(Overloaded) as caught:
+        await admission.admit(_own(settings, clock, "interactive", 0.01, tokens=50e3))
+    assert caught.value.code == "deadline_unreachable"
+    assert "this request's own 0.01 s" in caught.value.message
+    lease.release(clock.now)
+
+
+async def test_own_ttft_targets_order_a_tiers_queue_by_deadline() -> None:
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock, max_running_per_worker=1)
+    worker = pool.workers["a:1"]
+    worker.in_flight = 1
+    order: list[str] = []
+
+    async def run(name: str, ticket: Ticket) -> None:
+        lease, _ = await admission.admit(ticket)
+        order.append(name)
+        lease.release(clock.now)
+
+    # Same tier, later arrival, but a 2 s target against the tier's 5 s: it goes first.
+    first = asyncio.create_task(run("tier", _ticket(settings, clock, "standard")))
+    await asyncio.sleep(0)
+    clock.advance(0.01)
+    second = asyncio.create_task(run("own", _own(settings, clock, "standard", 2.0)))
+    await asyncio.sleep(0)
+    worker.in_flight = 0
+    admission.completed("standard", 1.0)
+    await asyncio.gather(first, second)
+    assert order == ["own", "tier"]
+
+
+def test_a_tier_with_a_requests_own_targets_keeps_everything_else() -> None:
+    settings = settings_for("http://a:1")
+    interactive = _tier(settings, "interactive")
+    own = interactive.with_targets(0.2, 0.03)
+    assert (own.ttft_slo_s, own.tpot_slo_s) == (0.2, 0.03)
+    assert own.model_dump(exclude={"ttft_slo_s", "tpot_slo_s"}) == interactive.model_dump(
+        exclude={"ttft_slo_s", "tpot_slo_s"}
+    )
+    assert interactive.with_targets(None, None) is interactive
+    assert interactive.with_targets(None, 0.5).ttft_slo_s == interactive.ttft_slo_s
+    # Batch has no TPOT target of its own; a request may bring one.
+    assert _tier(settings, "batch").with_targets(None, 0.05).tpot_slo_s == 0.05
+
+    def timing(ttft: float, tpot: float) -> TimingSummary:
+        return TimingSummary(0.0, ttft, 2.0, tpot, [], 10, 0.0)
+
+    assert slo_result(interactive, timing(0.5, 0.05), 10, True) == "met"
+    assert slo_result(own, timing(0.5, 0.05), 10, True) == "missed_both"
+    assert slo_result(own, timing(0.1, 0.02), 10, True) == "met"
+
+
 async def test_retry_after_follows_the_drain_rate_measured_while_requests_queue() -> None:
     clock = FakeClock()
     admission, pool, _, settings = _controller(clock, max_running_per_worker=1)

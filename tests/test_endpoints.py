@@ -198,6 +198,55 @@ async def test_unknown_model_is_404_before_any_worker_is_asked(
     assert [path for path, _ in worker.received] == ["/tokenize"]
 
 
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("x-slo-ttft-ms", "0"),
+        ("x-slo-ttft-ms", "-20"),
+        ("x-slo-tpot-ms", "fast"),
+        ("x-slo-tpot-ms", "1e3"),
+        ("x-llm-d-slo-ttft-ms", "nan"),
+        ("x-llm-d-slo-tpot-ms", "3600001"),
+    ],
+)
+async def test_a_bad_slo_header_is_a_400_naming_it_before_any_worker_is_asked(
+    gateway: tuple[str, Worker], header: str, value: str
+) -> None:
+    url, worker = gateway
+    async with httpx.AsyncClient(base_url=url) as client:
+        r = await client.post(
+            "/v1/embeddings", json={"model": MODEL, "input": "a"}, headers={header: value}
+        )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (header, "invalid_header_value")
+    assert header in error["message"]
+    assert worker.received == []
+
+
+@pytest.mark.parametrize("honoured", [True, False])
+async def test_slo_headers_judge_goodput_unless_turned_off(honoured: bool) -> None:
+    worker = Worker(_answer)
+    settings = settings_for(WORKER, slo_headers=honoured)
+    async with running_gateway(settings, worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            headers = {"x-slo-ttft-ms": "0.001", "x-slo-tpot-ms": "abc"}
+            r = await client.post(
+                "/v1/embeddings", json={"model": MODEL, "input": "a"}, headers=headers
+            )
+            assert r.status_code == (400 if honoured else 200)
+            del headers["x-slo-tpot-ms"]
+            r = await client.post(
+                "/v1/embeddings", json={"model": MODEL, "input": "a"}, headers=headers
+            )
+            assert r.status_code == 200
+            metrics = (await client.get("/metrics")).text
+    # A microsecond for the whole answer: missed when honoured, the tier's 5 s otherwise.
+    missed = _metric(metrics, "gateway_slo_requests_total", model=MODEL, result="missed_e2e")
+    met = _metric(metrics, "gateway_slo_requests_total", model=MODEL, result="met")
+    assert (missed, met) == ((1, 0) if honoured else (0, 2))
+
+
 async def test_responses_stream_is_relayed_event_by_event_and_timed_on_its_deltas() -> None:
     gap = 0.05
 

@@ -153,6 +153,46 @@ async def test_sdk_stream_with_usage_asked_gets_the_usage_chunk(
     assert chunks[-1].usage.prompt_tokens > 0
 
 
+async def test_a_requests_own_slo_headers_judge_its_goodput(
+    sdk: openai.AsyncOpenAI, gateway_url: str
+) -> None:
+    """inference-perf's and llm-d's SLO headers replace the tier's targets for that request.
+
+    The tier (standard: TTFT 5 s, TPOT 200 ms) would count both streams as met; a TPOT target
+    of a microsecond is missed by any real stream, a TTFT target of an hour met by any, and
+    a bad value is a 400 naming its header.
+    """
+    before = await scrape(gateway_url)
+    for headers in (
+        {"x-slo-ttft-ms": "3600000", "x-slo-tpot-ms": "0.001"},
+        {"x-llm-d-slo-ttft-ms": "0.001", "x-slo-ttft-ms": "3600000"},
+    ):
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            stream=True,
+            max_tokens=8,
+            extra_body={"ignore_eos": True},
+            extra_headers=headers,
+        )
+        assert len([chunk async for chunk in stream]) > 2  # served at once, not refused
+    with pytest.raises(openai.BadRequestError) as bad:
+        await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"x-slo-tpot-ms": "-5"}
+        )
+    assert bad.value.param == "x-slo-tpot-ms"
+    after = await scrape(gateway_url)
+    labels = {"model": MODEL, "tier": "standard"}
+    slo = "gateway_slo_requests_total"
+
+    def grew(result: str) -> float:
+        return total(after, slo, **labels, result=result) - total(
+            before, slo, **labels, result=result
+        )
+
+    assert (grew("met"), grew("missed_tpot"), grew("missed_ttft")) == (0, 1, 1)
+
+
 async def test_sdk_chat_non_stream(sdk: openai.AsyncOpenAI, gateway_url: str) -> None:
     raw = await sdk.chat.completions.with_raw_response.create(
         model=MODEL, messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True}

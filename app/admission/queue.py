@@ -57,6 +57,8 @@ class Ticket:
     route: RouteKey
     arrival: float
     max_tokens: int | None = None
+    own_ttft: bool = False
+    """``tier``'s TTFT target is the request's own (its SLO header), not the tier's."""
     seq: int = 0
     deadline: float = math.inf
     future: asyncio.Future[Lease] | None = field(default=None, repr=False)
@@ -206,7 +208,9 @@ class AdmissionController:
             self.demand.arrived(ticket.tier.priority, now)
             self.limits.arrived(ticket.tier, now)
             fastest = self._min_service(ticket)
-            if fastest > ticket.tier.ttft_slo_s:
+            # A target of the request's own is judged only when it must wait: below saturation
+            # it is served at once, and counted as missed if it misses.
+            if fastest > ticket.tier.ttft_slo_s and not ticket.own_ttft:
                 # Even an idle worker would miss the target: no wait helps, a lower tier would.
                 raise self._refuse(
                     ticket,
@@ -232,7 +236,7 @@ class AdmissionController:
             raise self._refuse(
                 ticket,
                 Reason.DEADLINE_UNREACHABLE,
-                f"The gateway cannot meet the '{tier}' tier's {ticket.tier.ttft_slo_s:g} s "
+                f"The gateway cannot meet {_whose(ticket)} {ticket.tier.ttft_slo_s:g} s "
                 "time-to-first-token target now; retry later or use a lower tier.",
             )
         if len(self._queue) >= self._settings.max_queue_length and not self._shed_for(ticket):
@@ -423,3 +427,8 @@ class AdmissionController:
         if rate <= 0:
             return min(_MAX_RETRY_AFTER_S, ticket.tier.max_queue_wait_s)
         return min(_MAX_RETRY_AFTER_S, max(0.1, self._ahead(ticket) / rate))
+
+
+def _whose(ticket: Ticket) -> str:
+    """Whose TTFT target ``ticket`` is held to, for a refusal's message."""
+    return "this request's own" if ticket.own_ttft else f"the '{ticket.tier.name}' tier's"

@@ -20,7 +20,9 @@ own bytes, changed only as :meth:`ParsedRequest.upstream_body` says.
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Annotated, Any
@@ -331,6 +333,54 @@ def parse_form(
 def endpoint_fields(endpoint: Endpoint) -> type[_Fields]:
     """The model of the fields the gateway reads from ``endpoint``'s requests."""
     return _SPECS[endpoint].fields
+
+
+SLO_TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+"""Headers carrying a request's own TTFT target in milliseconds (llm-d's name first)."""
+SLO_TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+"""Headers carrying a request's own TPOT target in milliseconds (llm-d's name first)."""
+_MS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
+_MAX_TARGET_MS = 3_600_000.0  # an hour: beyond it a target is no target
+
+
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    """A request's own latency targets, in seconds (None: its tier's)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+NO_TARGETS = SloTargets()
+
+
+def slo_targets(header: Callable[[str], str | None]) -> SloTargets:
+    """The targets a request sent in its SLO headers, read through ``header`` (name -> value).
+
+    inference-perf sends ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``; the llm-d router reads those
+    and its own ``x-llm-d-slo-*``, which win when both are sent. A value is a positive
+    decimal number of milliseconds, at most an hour; anything else is an
+    :class:`InvalidRequest` naming the header.
+    """
+    return SloTargets(_target(header, SLO_TTFT_HEADERS), _target(header, SLO_TPOT_HEADERS))
+
+
+def _target(header: Callable[[str], str | None], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        value = header(name)
+        if value is None:
+            continue
+        text = value.strip()
+        ms = float(text) if _MS.fullmatch(text) else math.nan
+        if not 0 < ms <= _MAX_TARGET_MS:
+            raise InvalidRequest(
+                f"Invalid value for header '{name}': {value[:32]!r} is not a number of "
+                f"milliseconds between 0 and {_MAX_TARGET_MS:,.0f}.",
+                param=name,
+                code="invalid_header_value",
+            )
+        return ms / 1000.0
+    return None
 
 
 def parse_request(endpoint: Endpoint, raw: bytes, path: str | None = None) -> ParsedRequest:

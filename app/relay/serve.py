@@ -358,7 +358,7 @@ class Relay:
             request_id=self._request_id,
             endpoint=self._request.endpoint.value,
             model=self._model_label,
-            tier=ctx.identity.tier,
+            tier=ctx.ticket.tier,  # with the request's own targets, if it sent any
             status=self._status,
             outcome=self._outcome,
             timing=summary,
