@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,7 +28,7 @@ from app.fleet.discovery import LoopResolver, Resolver
 from app.fleet.predictor import PromptSizer
 from app.fleet.routing import Router
 from app.fleet.upstream import UpstreamSlots, connection_budget, make_client, make_wire
-from app.fleet.wire import Connector
+from app.fleet.wire import Connector, WireClient
 from app.fleet.workers import WorkerPool
 from app.http.front import HOOKS_KEY, FrontHooks
 from app.http.server import GatewayServer, server_config
@@ -76,9 +78,54 @@ def create_app(
     ``shutdown`` is the drain the server starts on SIGTERM (:mod:`app.shutdown`).
     """
     drain = shutdown or Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
+    parts = functools.partial(_Parts.build, settings, transport, connector, clock, resolver)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, object]]:
+        async with _running(parts(), drain) as state:
+            yield state
+
+    app = GatewayApp(
+        title="Goodput Gateway",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    _mount(app, settings)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """The gateway's parts, built afresh by every lifespan (one per server process)."""
+
+    settings: Settings
+    clock: Clock
+    metrics: GatewayMetrics
+    shared: SharedState | None
+    auth: Authenticator
+    client: httpx.AsyncClient
+    wire: WireClient
+    pool: WorkerPool
+    router: Router
+    lag: LoopLagProbe
+    limits: Limits
+    admission: AdmissionController
+    goodput: GoodputTracker
+    sizer: PromptSizer
+    recorder: Recorder
+
+    @classmethod
+    def build(
+        cls,
+        settings: Settings,
+        transport: httpx.AsyncBaseTransport | None,
+        connector: Connector | None,
+        clock: Clock,
+        resolver: Resolver | None,
+    ) -> _Parts:
+        """Every part, wired to the others; nothing runs yet."""
         metrics = GatewayMetrics(settings)
         shared = None
         if settings.redis_url:
@@ -98,92 +145,105 @@ def create_app(
         goodput = GoodputTracker(metrics, settings.tiers, clock)
         sizer = PromptSizer()
         recorder = Recorder(settings, metrics, goodput)
-        for name, missing in assumptions_held().items():
-            metrics.library_assumption.labels(name).set(0 if missing else 1)
-        lag.start()
-        exporter: asyncio.Task[None] | None = None
-        try:
-            await pool.start(first_wait=settings.connect_timeout_s)
-            if shared is not None:
-                admission.demand.fleet = shared.arrivals
-                await shared.sync(pool, admission.demand)  # shared from the first request on
-                shared.start(pool, admission.demand)
-            if metrics.multiprocess:
-                # Gauges refreshed at export time are refreshed by the process that answers
-                # /metrics only: every process refreshes its own, for the merge to read.
-                exporter = asyncio.create_task(
-                    _every(1.0, pool.export, lambda: limits.export(pool), goodput.export),
-                    name="metrics-export",
-                )
-            log.info(
-                "gateway ready: %d worker(s), %d healthy, models %s, routing %s, admission %s, "
-                "state %s",
-                len(pool.workers), sum(w.up for w in pool.workers.values()),
-                sorted(pool.served_models()), settings.routing,
-                "on" if settings.admission else "off",
-                "local" if shared is None else "shared through Redis"
-                if shared.up else "shared through Redis (not answering yet)",
-            )  # fmt: skip
-            slots = UpstreamSlots(connection_budget(settings.max_upstream_connections), metrics)
-            deps = RelayDeps(
-                settings,
-                auth,
-                sizer,
-                wire,
-                pool,
-                router,
-                metrics,
-                admission,
-                recorder,
-                slots,
-                drain,
+        return cls(
+            settings, clock, metrics, shared, auth, client, wire, pool, router, lag, limits,
+            admission, goodput, sizer, recorder,
+        )  # fmt: skip
+
+
+@asynccontextmanager
+async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, object]]:
+    """Run ``parts`` for one lifespan: start them, yield the lifespan's state, stop them all."""
+    settings, metrics, pool, shared = parts.settings, parts.metrics, parts.pool, parts.shared
+    limits, admission, goodput, lag = parts.limits, parts.admission, parts.goodput, parts.lag
+    for name, missing in assumptions_held().items():
+        metrics.library_assumption.labels(name).set(0 if missing else 1)
+    lag.start()
+    exporter: asyncio.Task[None] | None = None
+    try:
+        await pool.start(first_wait=settings.connect_timeout_s)
+        if shared is not None:
+            admission.demand.fleet = shared.arrivals
+            await shared.sync(pool, admission.demand)  # shared from the first request on
+            shared.start(pool, admission.demand)
+        if metrics.multiprocess:
+            # Gauges refreshed at export time are refreshed by the process that answers
+            # /metrics only: every process refreshes its own, for the merge to read.
+            exporter = asyncio.create_task(
+                _every(1.0, pool.export, lambda: limits.export(pool), goodput.export),
+                name="metrics-export",
             )
+        log.info(
+            "gateway ready: %d worker(s), %d healthy, models %s, routing %s, admission %s, "
+            "state %s",
+            len(pool.workers), sum(w.up for w in pool.workers.values()),
+            sorted(pool.served_models()), settings.routing,
+            "on" if settings.admission else "off",
+            "local" if shared is None else "shared through Redis"
+            if shared.up else "shared through Redis (not answering yet)",
+        )  # fmt: skip
+        yield _state(parts, drain)
+    finally:
+        lag.stop()
+        if exporter is not None:
+            exporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await exporter
+        if shared is not None:
+            await shared.stop()
+        await admission.stop()
+        await pool.stop()
+        parts.wire.close()
+        await parts.client.aclose()
 
-            def refused(rid: str, path: str, status: int, seconds: float) -> None:
-                endpoint = endpoint_label(path)
-                recorder.plain(rid, endpoint, status, plain_outcome(status, endpoint), seconds)
 
-            def over_capacity() -> None:
-                metrics.saturated.labels(CLIENT_CONNECTIONS).inc()
-
-            yield {
-                HOOKS_KEY: FrontHooks(clock, request_id, refused),
-                TRACE_HOOKS_KEY: TraceHooks(clock, recorder.plain, over_capacity),
-                STATE_KEY: GatewayState(
-                    settings,
-                    client,
-                    pool,
-                    metrics,
-                    clock,
-                    router,
-                    sizer,
-                    auth,
-                    goodput,
-                    recorder,
-                    deps,
-                    drain,
-                ),
-            }
-        finally:
-            lag.stop()
-            if exporter is not None:
-                exporter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await exporter
-            if shared is not None:
-                await shared.stop()
-            await admission.stop()
-            await pool.stop()
-            wire.close()
-            await client.aclose()
-
-    app = GatewayApp(
-        title="Goodput Gateway",
-        version="0.1.0",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
+def _state(parts: _Parts, drain: Shutdown) -> dict[str, object]:
+    """The lifespan's state: the front end's and the trace's hooks, and the gateway's state."""
+    settings, clock, metrics, recorder = parts.settings, parts.clock, parts.metrics, parts.recorder
+    slots = UpstreamSlots(connection_budget(settings.max_upstream_connections), metrics)
+    deps = RelayDeps(
+        settings,
+        parts.auth,
+        parts.sizer,
+        parts.wire,
+        parts.pool,
+        parts.router,
+        metrics,
+        parts.admission,
+        recorder,
+        slots,
+        drain,
     )
+
+    def refused(rid: str, path: str, status: int, seconds: float) -> None:
+        endpoint = endpoint_label(path)
+        recorder.plain(rid, endpoint, status, plain_outcome(status, endpoint), seconds)
+
+    def over_capacity() -> None:
+        metrics.saturated.labels(CLIENT_CONNECTIONS).inc()
+
+    return {
+        HOOKS_KEY: FrontHooks(clock, request_id, refused),
+        TRACE_HOOKS_KEY: TraceHooks(clock, recorder.plain, over_capacity),
+        STATE_KEY: GatewayState(
+            settings,
+            parts.client,
+            parts.pool,
+            metrics,
+            clock,
+            parts.router,
+            parts.sizer,
+            parts.auth,
+            parts.goodput,
+            recorder,
+            deps,
+            drain,
+        ),
+    }
+
+
+def _mount(app: GatewayApp, settings: Settings) -> None:
+    """Mount the routes, the middleware and the error handlers on ``app``."""
     app.include_router(router)
     relayed = relay_handler(writes=not settings.cors_origins)  # CORS wraps ``send``
     if settings.cors_origins:
@@ -202,7 +262,6 @@ def create_app(
     app.relay_with(TraceMiddleware(relayed))
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    return app
 
 
 class GatewayApp(FastAPI):

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.admission.queue import Ticket
+from app.admission.ticket import Ticket
 from app.api.errors import GatewayError, error_body
 from app.api.protocol import (
     ENDPOINT_PATHS,

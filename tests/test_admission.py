@@ -13,7 +13,8 @@ import pytest
 
 from app.admission.auth import Authenticator, TokenBucket
 from app.admission.limits import Limits
-from app.admission.queue import AdmissionController, Ticket
+from app.admission.queue import AdmissionController
+from app.admission.ticket import Ticket
 from app.api.errors import (
     AuthenticationFailed,
     Overloaded,
@@ -283,7 +284,7 @@ def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_l
     clock.advance(3.0)
     assert 20 <= admission.demand.expected_total(clock.now) < 32
     worker.in_flight = 15
-    assert admission.placement(ticket, clock.now) is not None
+    assert admission.placer.choose(ticket, clock.now) is not None
     # Once a measurement set the limit, it is what slots are kept from.
     worker.limit.cut(40, clock.now)
     assert limits.seen_bound(worker) is None
@@ -346,19 +347,19 @@ def test_slots_are_kept_for_higher_tiers_only_when_the_pool_is_expected_to_satur
     # would keep for interactive are not kept; batch runs in the 19th.
     worker.in_flight = 18
     assert admission.room.full(worker, batch.tier)
-    assert admission.placement(batch, clock.now) is not None
+    assert admission.placer.choose(batch, clock.now) is not None
     # Three within 0.2 s: under the old rule the last half second said 6/s (24 slots); at 1/s
     # three in half a second is chance, and still nothing is held back.
     _arrive(admission, [(clock.now + 0.1 * k, interactive.priority) for k in range(3)])
     clock.advance(0.21)
     assert admission.demand.expected_total(clock.now) < 20
-    assert admission.placement(batch, clock.now) is not None
+    assert admission.placer.choose(batch, clock.now) is not None
     # A surge: 36 more in the next second, more slots expected than the worker runs. Now the
     # slots are kept, and batch waits while interactive gets in.
     _arrive(admission, [(clock.now + k / 36, interactive.priority) for k in range(36)])
     clock.advance(1.0)
-    assert admission.placement(batch, clock.now) is None
-    assert admission.placement(_ticket(settings, clock, "interactive"), clock.now) is not None
+    assert admission.placer.choose(batch, clock.now) is None
+    assert admission.placer.choose(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
 def test_slots_stay_kept_while_a_higher_tier_is_expected_not_only_after_a_refusal() -> None:
@@ -445,7 +446,7 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 20 / 9.75 * 2.82)
     assert sum(admission.demand.expected_slots(clock.now).values()) > 20
     worker.in_flight = 19
-    assert admission.placement(batch, clock.now) is not None
+    assert admission.placer.choose(batch, clock.now) is not None
     # Twice the arrivals: 23 slots as measured, more than the worker runs. Now batch leaves
     # the slots the tiers above are expected to need, sized at the aim.
     clock.advance(10.0)
@@ -454,7 +455,7 @@ def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -
     # Watched for all of the last 10 s (its first arrival came 9.75 s ago): 40 in 10 s.
     assert admission.demand.expected_total(clock.now) == pytest.approx(2 * 40 / 10 * 2.82)
     worker.in_flight = 10
-    assert admission.placement(batch, clock.now) is None
+    assert admission.placer.choose(batch, clock.now) is None
 
 
 def test_a_closed_loop_flood_reads_as_saturation_by_its_waits() -> None:
@@ -471,17 +472,17 @@ def test_a_closed_loop_flood_reads_as_saturation_by_its_waits() -> None:
     _arrive(admission, [(clock.now - 9.9 + t / 9, low) for t in range(90)])
     _arrive(admission, [(clock.now - 1.9 + t, top) for t in range(2)])
     assert admission.demand.expected_total(clock.now) == pytest.approx((90 + 2) / 9.9 * 0.4)
-    assert not admission.reserving(4, clock.now)
+    assert not admission.placer.reserving(4, clock.now)
     worker.in_flight = 3
-    assert admission.placement(_ticket(settings, clock, "batch"), clock.now) is not None
+    assert admission.placer.choose(_ticket(settings, clock, "batch"), clock.now) is not None
     for _ in range(30):
         admission.demand.waited(low, 0.0)
         admission.demand.waited(low, 0.0)
         admission.demand.waited(low, 0.4)
     assert admission.demand.expected_total(clock.now) > 4
-    assert admission.reserving(4, clock.now)
-    assert admission.placement(_ticket(settings, clock, "batch"), clock.now) is None
-    assert admission.placement(_ticket(settings, clock, "interactive"), clock.now) is not None
+    assert admission.placer.reserving(4, clock.now)
+    assert admission.placer.choose(_ticket(settings, clock, "batch"), clock.now) is None
+    assert admission.placer.choose(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
 class QueuedElsewhere:
@@ -510,19 +511,19 @@ def test_a_lower_tier_leaves_the_next_slots_to_higher_tiers_queued_elsewhere() -
     top, middle = (_tier(settings, name).priority for name in ("interactive", "standard"))
     worker.in_flight = 2
     batch, standard = _ticket(settings, clock, "batch"), _ticket(settings, clock, "standard")
-    assert admission.placement(batch, clock.now) is not None
+    assert admission.placer.choose(batch, clock.now) is not None
     admission.demand.fleet = QueuedElsewhere({MODEL: {top: 2}, "other-model": {top: 5}})
     assert admission.demand.queued_elsewhere(MODEL, batch.tier, clock.now) == 2
-    assert admission.placement(batch, clock.now) is None
-    assert admission.placement(standard, clock.now) is None
+    assert admission.placer.choose(batch, clock.now) is None
+    assert admission.placer.choose(standard, clock.now) is None
     worker.in_flight = 1
-    assert admission.placement(batch, clock.now) is not None
+    assert admission.placer.choose(batch, clock.now) is not None
     # Only tiers above count: standard queued there holds batch here, not interactive.
     worker.in_flight = 3
     admission.demand.fleet = QueuedElsewhere({MODEL: {middle: 1}})
-    assert admission.placement(batch, clock.now) is None
-    assert admission.placement(standard, clock.now) is not None
-    assert admission.placement(_ticket(settings, clock, "interactive"), clock.now) is not None
+    assert admission.placer.choose(batch, clock.now) is None
+    assert admission.placer.choose(standard, clock.now) is not None
+    assert admission.placer.choose(_ticket(settings, clock, "interactive"), clock.now) is not None
 
 
 def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
@@ -559,7 +560,9 @@ def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     assert admission.room.full(worker, interactive, reserving=False)
     # A worker seen to serve 23 with a stream within the aim: the top tier's own count goes
     # to 23 under a limit cut to 20, the others' limits stay.
-    worker.served_within_aim = 23.4
+    aim = admission.limits.tpot_aim
+    assert aim is not None
+    worker.saw_served(23.4, aim, aim)  # a stream at the aim, with 23.4 running on average
     assert not admission.room.full(worker, interactive, reserving=False)
     worker.tier_in_flight["interactive"] = 23
     worker.in_flight = 42
@@ -570,7 +573,7 @@ def test_a_tier_may_run_past_the_limit_by_the_slots_lower_tiers_hold() -> None:
     assert admission.room.full(worker, standard, reserving=False)
     worker.in_flight = worker.tier_in_flight["interactive"] = 23
     assert admission.room.full(worker, interactive, reserving=False)
-    worker.served_within_aim = 0.0
+    worker.reset_served()
     worker.tier_in_flight["batch"] = 19
     # Nor past what the KV cache holds: 22 requests of 1,000 tokens.
     pool.record_tokens(worker, 900, 100)
@@ -638,7 +641,7 @@ def test_after_a_quiet_spell_a_few_arrivals_are_read_over_the_time_watched() -> 
     # Just started, the gateway has watched nothing before them: over a second, 1/s each.
     _arrive(admission, [(clock.now + offset, p) for p, offset in pair])
     assert admission.demand.arrival_rates(clock.now) == {top: 1.0, middle: 1.0}
-    assert admission.reserving(4, clock.now)
+    assert admission.placer.reserving(4, clock.now)
     # After twenty quiet seconds the same pair is two arrivals in the 10 s watched, not a
     # rate of one a second each: 1.2 slots expected of 4, nothing kept back.
     clock.advance(20.0)
@@ -646,7 +649,7 @@ def test_after_a_quiet_spell_a_few_arrivals_are_read_over_the_time_watched() -> 
     rates = admission.demand.arrival_rates(clock.now)
     assert rates == {top: pytest.approx(0.1), middle: pytest.approx(0.1)}
     assert admission.demand.expected_total(clock.now) == pytest.approx(1.2)
-    assert not admission.reserving(4, clock.now)
+    assert not admission.placer.reserving(4, clock.now)
     # Nor is an interactive request likely during a lower tier's 2-s prefill (0.2 expected).
     assert not admission.room.higher_likely(_tier(settings, "standard"), 1, 2.0, clock.now)
 

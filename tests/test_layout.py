@@ -111,3 +111,51 @@ def test_every_package_says_what_it_owns() -> None:
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc, f"{init}: say what the package owns"
         assert "import" in doc.lower(), f"{init}: say what the package may import"
+
+
+# The size rule: a function longer than this, or a class, is split by what it does.
+MAX_FUNCTION_LINES = 100
+MAX_CLASS_LINES = 300
+# The settings are one flat list of fields, each with its description: exempt.
+SIZE_EXEMPT = {("app.settings", "Settings")}
+
+
+def _oversized(name: str, source: str) -> list[str]:
+    """Every function over ``MAX_FUNCTION_LINES`` and class over ``MAX_CLASS_LINES`` in ``source``.
+
+    Measured from the first line of the definition (its decorators excluded) to its last.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            most, kind = MAX_FUNCTION_LINES, "function"
+        elif isinstance(node, ast.ClassDef):
+            most, kind = MAX_CLASS_LINES, "class"
+        else:
+            continue
+        lines = (node.end_lineno or node.lineno) - node.lineno + 1
+        if lines > most and (name, node.name) not in SIZE_EXEMPT:
+            found.append(f"{name}.{node.name} ({kind}, {lines} lines > {most})")
+    return found
+
+
+def test_no_function_or_class_outgrows_its_size() -> None:
+    oversized = [
+        entry
+        for name, path in sorted(_modules().items())
+        for entry in _oversized(name, path.read_text())
+    ]
+    assert not oversized, "split these by what they do: " + ", ".join(oversized)
+
+
+def test_the_size_rule_catches_an_oversized_class_and_function() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))
+    assert _oversized("m", f"class Big:\n{body}\n") == [
+        f"m.Big (class, {MAX_CLASS_LINES + 1} lines > {MAX_CLASS_LINES})"
+    ]
+    steps = "\n".join(f"    x = {i}" for i in range(MAX_FUNCTION_LINES - 1))
+    assert _oversized("m", f"def fits():\n{steps}\n") == []
+    assert _oversized("m", f"def long():\n{steps}\n    x = 0\n") == [
+        f"m.long (function, {MAX_FUNCTION_LINES + 1} lines > {MAX_FUNCTION_LINES})"
+    ]
+    assert _oversized("app.settings", f"class Settings:\n{body}\n") == []

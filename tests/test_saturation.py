@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from app.admission.limits import Limits
-from app.admission.queue import Ticket
+from app.admission.ticket import Ticket
 from app.api.errors import Overloaded, QueueTimeout, Shed
 from app.api.outcome import LimitCut, Outcome, SloResult
 from app.fleet.lease import Lease
@@ -256,7 +256,7 @@ def test_a_lease_is_released_once_whatever_happens() -> None:
     clock = FakeClock()
     admission, pool, metrics, settings = _controller(clock)
     worker = pool.workers["a:1"]
-    choice = admission.placement(_ticket(settings, clock, "standard"), clock.now)
+    choice = admission.placer.choose(_ticket(settings, clock, "standard"), clock.now)
     assert choice is not None
     lease = Lease(choice, "standard", 10, clock.now, metrics)
     assert (worker.in_flight, worker.prefilling, worker.tier_in_flight["standard"]) == (1, 1, 1)

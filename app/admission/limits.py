@@ -178,13 +178,16 @@ class Limits:
         others = self._others(worker, now)
         before = tpot_target = self.targets(now, worker)[0]
         if tpot_s is not None:
-            self._floor(worker, tpot_s, decode_load, others)
+            # A stream that decoded alone (other gateways' requests counted) measured the
+            # worker's own pace.
+            alone = decode_load is not None and decode_load + others <= _ALONE_LOAD
+            worker.saw_tpot(tpot_s, alone)
             tpot_target = self.targets(now, worker)[0]
         if before is not None and (tpot_target is None or tpot_target > before):
             # The strictest target went out of reach: its cuts were no evidence of a batch too
             # big, and the loads seen within its aim say nothing of the target kept now.
             worker.limit.reset()
-            worker.served_within_aim = worker.served_at_aim = 0.0
+            worker.reset_served()
         if tpot_s is not None and tpot_target is not None:
             target = tpot_target
             aim = headroom * target
@@ -202,7 +205,7 @@ class Limits:
                 bound = max(bound, decode_load)
                 if tpot_s <= aim:
                     # Its own mean load is this process's requests; others' ran there too.
-                    self._seen(worker, decode_load + others, tpot_s, aim)
+                    worker.saw_served(decode_load + others, tpot_s, aim)
             # The stream's own projection lifts the limit no further than the bound.
             if worker.limit.on_result(tpot_s, aim, target, running, now, decode_load, bound):
                 self._metrics.limit_cut(worker.label, LimitCut.TPOT_MISS)
@@ -215,40 +218,6 @@ class Limits:
                 # says how many keep the aim, where additive growth alone needs a request's
                 # life a step and light traffic (never at the limit) takes no step at all.
                 worker.limit.lift(bound, now)
-
-    def _seen(self, worker: Worker, served: float, tpot_s: float, aim: float) -> None:
-        """Learn what ``worker`` serves from a stream that kept the aim at load ``served``.
-
-        Only a batch that slowed a stream towards the aim (to half of it or more) sets the
-        seen load: at a light load TPOT is the bare decode step, and a bound learnt there would
-        hold the next burst's lower tiers to the few that ran then. While the bound applies
-        (:meth:`seen_bound`), a stream within the aim that ran at it raises it by one, as the
-        running limit grows: the bound holds the batch at what was seen, and the mean load of
-        the streams living at it is at most the bound, so it grew only when the top tier went
-        past it. On a worker pacing 120 ms a token whatever its batch, two interactive streams
-        set it at 2 and standard requests, with a slot kept for interactive out of it, ran only
-        on an otherwise empty worker (11 of 80 served, 80 with admission off).
-        """
-        seen = worker.served_within_aim
-        if tpot_s >= aim / 2:
-            worker.served_within_aim = max(seen, served)
-            worker.served_at_aim = max(worker.served_at_aim, served * aim / tpot_s)
-        if seen >= 1.0 and not worker.limit.measured and served >= math.floor(seen) - 1:
-            worker.served_within_aim = max(worker.served_within_aim, math.floor(seen) + 1.0)
-            worker.served_at_aim = max(worker.served_at_aim, worker.served_within_aim)
-
-    def _floor(
-        self, worker: Worker, tpot_s: float, decode_load: float | None, others: float
-    ) -> None:
-        """Learn the fastest TPOT ``worker`` reaches from a finished stream's ``tpot_s``.
-
-        A stream that decoded alone (with ``others``, other gateways' requests, counted)
-        measured the worker's own pace (no batch is smaller); any faster stream lowers it.
-        """
-        if decode_load is not None and decode_load + others <= _ALONE_LOAD:
-            worker.floor_tpot = tpot_s
-        else:
-            worker.floor_tpot = min(worker.floor_tpot, tpot_s)
 
     def first_token(
         self, worker: Worker, worker_ttft_s: float, prefill_peers: int, now: float

@@ -25,18 +25,17 @@ import bisect
 import contextlib
 import itertools
 import logging
-import math
-from dataclasses import dataclass, field
 
 from app.admission.demand import TierDemand
 from app.admission.drain import DrainRate
 from app.admission.limits import Limits
+from app.admission.placement import Placement
 from app.admission.room import Room
+from app.admission.ticket import Ticket
 from app.api.errors import GatewayError, Overloaded, QueueTimeout, Shed, UpstreamUnavailable
 from app.api.outcome import Decision, Reason
 from app.fleet.lease import Choice, Lease
-from app.fleet.routing import RouteKey, Router
-from app.fleet.workers import Worker
+from app.fleet.routing import Router
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import Clock
 from app.settings import Settings, TierSpec
@@ -45,28 +44,6 @@ log = logging.getLogger(__name__)
 
 _TICK_S = 0.05
 _MAX_RETRY_AFTER_S = 60.0
-
-
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """One request's place in admission."""
-
-    tier: TierSpec
-    model: str
-    own_tokens: float
-    route: RouteKey
-    arrival: float
-    max_tokens: int | None = None
-    own_ttft: bool = False
-    """``tier``'s TTFT target is the request's own (its SLO header), not the tier's."""
-    seq: int = 0
-    deadline: float = math.inf
-    future: asyncio.Future[Lease] | None = field(default=None, repr=False)
-
-    @property
-    def key(self) -> tuple[int, float, int]:
-        """Queue order: tier priority, then earliest deadline, then arrival."""
-        return (self.tier.priority, self.deadline, self.seq)
 
 
 class AdmissionController:
@@ -91,6 +68,8 @@ class AdmissionController:
         self._ticker: asyncio.Task[None] | None = None
         self.room = Room(settings, limits, TierDemand(clock, limits.tpot_aim), clock)
         self.drain = DrainRate()
+        self.placer = Placement(router, self.room)
+        """Where a request can run now."""
 
     @property
     def limits(self) -> Limits:
@@ -109,91 +88,6 @@ class AdmissionController:
             ticket.max_tokens,
         )  # fmt: skip
 
-    def placement(self, ticket: Ticket, now: float) -> Choice | None:
-        """The worker to run ``ticket`` on now (lowest predicted TTFT among those with room).
-
-        None when every worker is full. The predicted TTFT picks the worker but does not hold
-        a request back: under load the fitted prefill model was seen to overestimate, which
-        kept interactive requests queued while the workers had room. The measured-latency
-        limits and the workers' own signals are what keep TTFT and TPOT in bounds.
-        """
-        candidates = self._router.candidates(ticket.model)
-        n = len(candidates)
-        # Below saturation nothing is held back for higher tiers: see :meth:`reserving`. Its
-        # slots are what the workers would run at the aim: the loads they were seen at are a
-        # lower bound, which would read bursts below saturation as saturation.
-        slots = sum(self.limits.proven_cap(w, at_aim=True) for w in candidates)
-        reserving = self.reserving(slots, now)
-        # Only tiers below the top keep to the prefill budget: the top tier skips the lookup.
-        top = ticket.tier.priority == self.room.top
-        # Requests of higher tiers queued in other gateway processes, as this process's own
-        # would be: ahead of this one, for the next slots of the workers they may run on.
-        elsewhere = 0 if top else self.demand.queued_elsewhere(ticket.model, ticket.tier, now)
-        yielded = math.ceil(elsewhere / max(n, 1))
-        full = frozenset(
-            w.label
-            for w in candidates
-            if self.room.full(
-                w,
-                ticket.tier,
-                n,
-                now,
-                reserving,
-                0.0 if top else self._uncached(ticket, w),
-                yielded,
-            )
-        )
-        if len(full) == n:
-            return None
-        return self._router.choose(ticket.model, ticket.own_tokens, ticket.route, full)
-
-    def _uncached(self, ticket: Ticket, worker: Worker) -> float:
-        """The prompt tokens of ``ticket`` that ``worker`` is not expected to have cached."""
-        prefix, tokens = ticket.route.prefix, ticket.own_tokens
-        if prefix is None:
-            return tokens
-        return tokens - self._router.cached_tokens(worker, prefix, tokens)
-
-    def reserving(self, slots: int, now: float) -> bool:
-        """Whether lower tiers must leave slots free for higher ones on workers of ``slots``.
-
-        Only when the pool is expected to saturate: every tier's expected requests in, queued
-        or running (Little's law over the waits and holds as measured,
-        :meth:`app.admission.demand.TierDemand.expected_total`), add up to at least what the workers
-        may run. Below that every request fits, whatever its tier, and holding slots back would
-        only queue lower tiers on workers with room.
-        """
-        expected = self.demand.expected_total(now)
-        return expected > 0 and expected >= slots
-
-    def _min_service(self, ticket: Ticket) -> float:
-        """The prefill of the request's own prompt on the fastest worker: no wait shortens it.
-
-        The tokens the worker is not expected to have cached, at the fitted cost per token:
-        the line is learnt on those (routing predicts and records the uncached work), and a
-        cached prefix costs no prefill (docs/admission.md). Without the fitted intercept: the
-        line is learnt under load, where its intercept takes in the decode steps and queueing
-        a request met, so it overestimates an idle worker's prefill; and refusing a prompt an
-        idle worker would serve in time is the error that costs most (docs/admission.md).
-        """
-        best = math.inf
-        for worker in self._router.candidates(ticket.model):
-            best = min(best, worker.latency.prefill.slope * self._uncached(ticket, worker))
-        return best
-
-    def _start_margin(self, ticket: Ticket, fastest: float, now: float) -> float:
-        """Time to leave, between leaving the queue and the TTFT target, for the first token.
-
-        On the best worker, the larger of the idle prefill (``fastest``) and its recent times
-        to first token (:attr:`app.fleet.workers.Worker.recent_ttft`, those of the last 10 s): under
-        load a request is prefilled behind others, and one dispatched later than this would
-        likely miss its target while holding a slot for its whole answer.
-        """
-        candidates = self._router.candidates(ticket.model)
-        return min(
-            (max(fastest, worker.recent_ttft.value(now)) for worker in candidates), default=fastest
-        )
-
     # Admission ----------------------------------------------------------------------------
 
     async def admit(self, ticket: Ticket) -> tuple[Lease, float]:
@@ -207,7 +101,8 @@ class AdmissionController:
             now = self._clock()
             self.demand.arrived(ticket.tier.priority, now)
             self.limits.arrived(ticket.tier, now)
-            fastest = self._min_service(ticket)
+            workers = self._router.candidates(ticket.model)
+            fastest = self.placer.min_service(ticket, workers)
             # A target of the request's own is judged only when it must wait: below saturation
             # it is served at once, and counted as missed if it misses.
             if fastest > ticket.tier.ttft_slo_s and not ticket.own_ttft:
@@ -219,12 +114,12 @@ class AdmissionController:
                     f"the '{tier}' tier's {ticket.tier.ttft_slo_s:g} s target; use a lower tier.",
                 )
             if not self._waiting_ahead(ticket) and not self.demand.yields(ticket.tier, now):
-                room = self.placement(ticket, now)
+                room = self.placer.choose(ticket, now, workers)
                 if room is not None:
                     self._decide(ticket.tier, Decision.ADMITTED)
                     self.demand.waited(ticket.tier.priority, 0.0)
                     return self.lease(room, ticket), 0.0
-            margin = self._start_margin(ticket, fastest, now)
+            margin = self.placer.start_margin(ticket, fastest, now, workers)
         except UpstreamUnavailable:
             self._decide(ticket.tier, Decision.REJECTED, Reason.NO_WORKER, shortage=False)
             raise
@@ -348,7 +243,7 @@ class AdmissionController:
             if ticket.model in blocked or self.demand.yields(ticket.tier, now):
                 continue
             try:
-                choice = self.placement(ticket, now)
+                choice = self.placer.choose(ticket, now)
             except GatewayError:
                 choice = None  # no healthy worker right now: wait for one until the deadline
             if choice is None:

@@ -161,9 +161,18 @@ class Router:
         own_tokens: float,
         key: RouteKey = NO_KEY,
         exclude: frozenset[str] = frozenset(),
+        among: list[Worker] | None = None,
     ) -> Choice:
-        """The worker for a request of about ``own_tokens`` prompt tokens, routed by ``key``."""
-        workers = self.candidates(model, exclude)
+        """The worker for a request of about ``own_tokens`` prompt tokens, routed by ``key``.
+
+        ``among``: :meth:`candidates` for ``model`` as the caller read them just now (read
+        again when None, or when ``exclude`` leaves none of them).
+        """
+        workers = among if among is not None and not exclude else None
+        if among is not None and exclude:
+            workers = [w for w in among if w.label not in exclude] or None
+        if workers is None:
+            workers = self.candidates(model, exclude)
         policy = self._settings.routing
         if policy == "round_robin":
             worker = workers[next(self._turn) % len(workers)]

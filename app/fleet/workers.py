@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
 
 from app.api.outcome import LimitCut
 from app.fleet.discovery import Resolver, discover
+from app.fleet.gauges import WorkerGauges
 from app.fleet.limiter import ConcurrencyLimit, DecodePace
 from app.fleet.loadsignals import LoadSample, parse_load
 from app.fleet.predictor import LatencyModel, RecentQuantile, WorkerLoad
 from app.fleet.prefix import PrefixIndex
-from app.observe.looplag import fired_late
+from app.fleet.probes import Prober
 from app.observe.metrics import OTHER_MODEL, GatewayMetrics
 from app.observe.timing import Clock
 from app.settings import Settings, WorkerSpec
@@ -112,8 +111,6 @@ class Worker:
         """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
         self.prefixes = PrefixIndex()
         """Prompt prefixes recently routed here (``prefix_aware`` routing)."""
-        self.probing: set[str] = set()
-        """The kinds of probe running against it now (the pool runs one of each at a time)."""
         self._occupancy = 0.0
         self._occupancy_at = 0.0
 
@@ -131,6 +128,47 @@ class Worker:
         (:meth:`app.admission.queue.AdmissionController._min_service` says why).
         """
         return self.latency.prefill.slope * (self.prefill_tokens_ahead + tokens)
+
+    # What admission's limits (app.admission.limits) and the relay learn of the worker: only
+    # these methods change the facts below.
+
+    def reset_served(self) -> None:
+        """Forget the loads seen served within the aim: they were of a target no longer kept."""
+        self.served_within_aim = self.served_at_aim = 0.0
+
+    def saw_served(self, served: float, tpot_s: float, aim: float) -> None:
+        """A stream kept the TPOT aim (``tpot_s`` <= ``aim``) at load ``served``: learn from it.
+
+        Only a batch that slowed a stream towards the aim (to half of it or more) sets the
+        seen load: at a light load TPOT is the bare decode step, and a bound learnt there would
+        hold the next burst's lower tiers to the few that ran then. While the bound applies
+        (:meth:`app.admission.limits.Limits.seen_bound`: no measurement has set ``limit``), a
+        stream within the aim that ran at it raises it by one, as the running limit grows: the
+        bound holds the batch at what was seen, and the mean load of the streams living at it is
+        at most the bound, so it grew only when the top tier went past it. On a worker pacing
+        120 ms a token whatever its batch, two interactive streams set it at 2 and standard
+        requests, with a slot kept for interactive out of it, ran only on an otherwise empty
+        worker (11 of 80 served, 80 with admission off).
+        """
+        seen = self.served_within_aim
+        if tpot_s >= aim / 2:
+            self.served_within_aim = max(seen, served)
+            self.served_at_aim = max(self.served_at_aim, served * aim / tpot_s)
+        if seen >= 1.0 and not self.limit.measured and served >= math.floor(seen) - 1:
+            self.served_within_aim = max(self.served_within_aim, math.floor(seen) + 1.0)
+            self.served_at_aim = max(self.served_at_aim, self.served_within_aim)
+
+    def saw_tpot(self, tpot_s: float, alone: bool) -> None:
+        """A stream finished at ``tpot_s`` a token: learn the fastest TPOT the worker reaches.
+
+        A stream that decoded ``alone`` measured the worker's own pace (no batch is smaller)
+        and sets it; any faster stream lowers it.
+        """
+        self.floor_tpot = tpot_s if alone else min(self.floor_tpot, tpot_s)
+
+    def learn_fingerprint(self, member: bytes) -> None:
+        """Its ``system_fingerprint``, as a JSON member, was seen in an answer (empty: none)."""
+        self.fingerprint = member
 
     # A request's slot: the lease (app.fleet.lease) reports its life here, and only these
     # methods change the load counters below.
@@ -267,11 +305,11 @@ class WorkerPool:
     ) -> None:
         self.settings = settings
         self.workers: dict[str, Worker] = {}
-        self._client = client
+        self._prober = Prober(client)
+        self._gauges = WorkerGauges(settings, metrics)
         self._metrics = metrics
         self._clock = clock
         self._resolver = resolver
-        self._tasks: list[asyncio.Task[None]] = []
         for spec in settings.workers:
             self._add(spec)
 
@@ -296,29 +334,14 @@ class WorkerPool:
             # A surge that slows every stream a quarter past the target is read within a second.
             worker.pace.alarm = _PACE_ALARM * target
         self.workers[worker.label] = worker
-        self._metrics.worker_up.labels(worker.label).set(0)
-        self._metrics.worker_ejected.labels(worker.label).set(0)
-        # Counters start at 0 so that rate() and increase() see a series before the first event.
-        for counter in (
-            self._metrics.worker_ejections,
-            self._metrics.worker_failovers,
-            self._metrics.worker_routed,
-            self._metrics.worker_completion_tokens,
-            self._metrics.worker_prefix_queries,
-            self._metrics.worker_prefix_hits,
-        ):
-            counter.labels(worker.label)
-        for cause in LimitCut:
-            self._metrics.worker_limit_cuts.labels(worker.label, cause)
-        for model in worker.models:
-            self._metrics.start_model(model)
+        self._gauges.added(worker.label, worker.models)
         log.info("worker %s added (%s)", worker.label, spec.base_url)
         return worker
 
     def _remove_drained(self) -> None:
         for label in [w.label for w in self.workers.values() if w.draining and not w.in_flight]:
             del self.workers[label]
-            self._metrics.forget_worker(label)
+            self._gauges.removed(label)
             log.info("worker %s removed", label)
 
     async def rediscover(self) -> None:
@@ -378,22 +401,7 @@ class WorkerPool:
 
     def export(self) -> None:
         """Refresh the gauges that depend on time or on several figures (before an export)."""
-        now = self._clock()
-        self._metrics.set_load_age(now)
-        self._metrics.workers_known.set(len(self.workers))
-        self._metrics.workers_healthy.set(sum(1 for w in self.workers.values() if w.healthy(now)))
-        index_bytes = 0
-        for worker in self.workers.values():
-            index_bytes += worker.prefixes.nbytes()
-            self._metrics.worker_prefix_blocks.labels(worker.label).set(len(worker.prefixes))
-            hardware = worker.spec.hardware or self.settings.hardware
-            if hardware is not None:
-                self._metrics.set_hardware(worker.label, hardware)
-                load, _ = worker.current_load(now, self.settings.load_max_age_s)
-                # Sequences are on average half-way through their answers.
-                context = max(1.0, worker.context_tokens / 2)
-                self._metrics.set_roofline(worker.label, hardware, load.running, context)
-        self._metrics.prefix_index_bytes.set(index_bytes)
+        self._gauges.export(self.workers.values(), self._clock())
 
     def record_tokens(self, worker: Worker, prompt: int, completion: int) -> None:
         """Learn a worker's typical context length from a finished request's usage."""
@@ -439,36 +447,18 @@ class WorkerPool:
         worker.ejected_until = now + backoff
         worker.last_ejected = now
         self._metrics.worker_ejections.labels(worker.label).inc()
-        self._metrics.worker_ejected.labels(worker.label).set(1)
-        self._metrics.worker_up.labels(worker.label).set(0)
+        self._gauges.state(worker.label, False, True)
         log.warning("worker %s ejected for %.1f s after repeated %s", worker.label, backoff, reason)
 
-    # Probes -------------------------------------------------------------------------------
-
-    async def _get(self, worker: Worker, path: str, limit_s: float) -> httpx.Response:
-        spec = worker.spec
-        headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-        response = await self._client.get(
-            f"{spec.base_url}{path}", headers=headers, timeout=limit_s
-        )
-        response.raise_for_status()
-        return response
-
-    async def _once(self, worker: Worker, what: str, probe: Callable[[], Awaitable[None]]) -> None:
-        # A slow worker must not pile up probes of the same kind.
-        if what in worker.probing:
-            return
-        worker.probing.add(what)
-        try:
-            await probe()
-        finally:
-            worker.probing.discard(what)
+    # Probes: the prober runs them (app.fleet.probes); what their answers mean is the pool's.
 
     async def probe_models(self, worker: Worker) -> None:
         """Read ``/v1/models`` from ``worker``."""
         started = asyncio.get_running_loop().time()
         try:
-            response = await self._get(worker, "/v1/models", self.settings.connect_timeout_s)
+            response = await self._prober.get(
+                worker.spec, "/v1/models", self.settings.connect_timeout_s
+            )
             payload = response.json()
             cards = {str(card["id"]): card for card in payload["data"] if isinstance(card, dict)}
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -487,7 +477,7 @@ class WorkerPool:
             return
         started = asyncio.get_running_loop().time()
         try:
-            await self._get(worker, "/health", self.settings.connect_timeout_s)
+            await self._prober.get(worker.spec, "/health", self.settings.connect_timeout_s)
         except httpx.HTTPError as exc:
             self._probe_failed(worker, exc, started)
         else:
@@ -497,24 +487,18 @@ class WorkerPool:
         """A probe started at ``started`` (loop time) failed: the worker is down.
 
         Unless the probe timed out late, of the gateway's own busy loop
-        (:func:`app.observe.looplag.fired_late`): that says nothing of the worker.
+        (:meth:`app.fleet.probes.Prober.timed_out_late`): that says nothing of the worker.
         """
         timeout = self.settings.connect_timeout_s
-        now = asyncio.get_running_loop().time()
-        if isinstance(error, httpx.TimeoutException) and fired_late(started, now, timeout):
-            log.info(
-                "probe of worker %s timed out %.1f s late: the gateway was busy, the worker's "
-                "state is kept", worker.label, now - started - timeout,
-            )  # fmt: skip
-            return
-        self.set_up(worker, False, error)
+        if not self._prober.timed_out_late(worker.label, error, started, timeout):
+            self.set_up(worker, False, error)
 
     async def scrape_load(self, worker: Worker) -> None:
         """Read the worker's load from its ``/metrics``."""
         timeout = max(self.settings.load_interval_s, 0.25)
         own = worker.in_flight
         try:
-            response = await self._get(worker, "/metrics", timeout)
+            response = await self._prober.get(worker.spec, "/metrics", timeout)
             sample = parse_load(response.text, self._clock())
         except (httpx.HTTPError, ValueError):
             return  # the sample ages and counts as busy; health is the probe's business
@@ -546,60 +530,37 @@ class WorkerPool:
         if up:
             worker.last_seen = now
         ejected = worker.ejected(now)
-        self._metrics.worker_up.labels(worker.label).set(1 if up and not ejected else 0)
-        self._metrics.worker_ejected.labels(worker.label).set(1 if ejected else 0)
+        self._gauges.state(worker.label, up and not ejected, ejected)
 
     async def refresh(self) -> None:
         """Run discovery and read every worker's ``/v1/models`` once."""
         await self.rediscover()
         await asyncio.gather(*(self.probe_models(w) for w in list(self.workers.values())))
 
-    async def _each(self, what: str, probe: Callable[[Worker], Awaitable[None]]) -> None:
-        await asyncio.gather(
-            *(self._once(w, what, functools.partial(probe, w)) for w in list(self.workers.values()))
-        )
-
-    async def _probe_all(self) -> None:
-        await self._each("health", self.probe_health)
-
-    async def _scrape_all(self) -> None:
-        await self._each("load", self.scrape_load)
-
     async def start(self, first_wait: float) -> None:
         """Discover and probe every worker (waiting at most ``first_wait``), then keep going."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.refresh()), first_wait)
-        s = self.settings
-        self._tasks = [
-            asyncio.create_task(
-                self._every(s.discovery_interval_s, self.refresh), name="discovery"
-            ),
-            asyncio.create_task(
-                self._every(s.probe_interval_s, lambda: self._each("health", self.probe_health)),
-                name="health-probe",
-            ),
-            asyncio.create_task(
-                self._every(s.load_interval_s, lambda: self._each("load", self.scrape_load)),
-                name="load-scrape",
-            ),
-        ]
-
-    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await job()
-            except Exception:  # a background job must survive anything one round throws
-                log.exception("background job failed; retrying next round")
+        s, prober = self.settings, self._prober
+        prober.start(
+            [
+                ("discovery", s.discovery_interval_s, self.refresh),
+                (
+                    "health-probe",
+                    s.probe_interval_s,
+                    lambda: prober.each("health", self.workers.values(), self.probe_health),
+                ),
+                (
+                    "load-scrape",
+                    s.load_interval_s,
+                    lambda: prober.each("load", self.workers.values(), self.scrape_load),
+                ),
+            ]
+        )
 
     async def stop(self) -> None:
         """Stop the background tasks."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
+        await self._prober.stop()
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -155,7 +155,7 @@ class Attempts:
         self._feedback.first_output(lease, received)
         told.tokens = usage_counts(payload)
         if self._request.endpoint.chunks:
-            worker.fingerprint = fingerprint_member(payload)
+            worker.learn_fingerprint(fingerprint_member(payload))
         told.status = status
         answer.start(status, [(b"content-type", content_type)])
         await answer.end(raw)

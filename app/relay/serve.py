@@ -40,7 +40,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.admission.auth import Authenticator, Identity
-from app.admission.queue import AdmissionController, Ticket
+from app.admission.queue import AdmissionController
+from app.admission.ticket import Ticket
 from app.api.errors import (
     ClientStalled,
     GatewayError,

@@ -140,9 +140,10 @@ class StreamPump:
                 payload = event_json(event)
                 self._count(usage_counts(payload))
                 if restore:
-                    worker.fingerprint = fingerprint_member(payload)
+                    learnt = fingerprint_member(payload)
+                    worker.learn_fingerprint(learnt)
                     if held is not None:
-                        out.extend(_restored(held, worker.fingerprint))
+                        out.extend(_restored(held, learnt))
                         outputs, held, self.held_outputs = outputs + self.held_outputs, None, 0
                 if not self._keep_usage:
                     continue

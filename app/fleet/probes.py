@@ -1,0 +1,105 @@
+"""How the pool reads its workers: the GETs, one of a kind per worker at a time, every round.
+
+:class:`Prober` owns the network side of the pool's background work (:mod:`app.fleet.workers`):
+a GET with the worker's key, the rule that a slow worker never has two probes of one kind
+running, the rounds that repeat every interval whatever one round throws, and the judgement of
+a probe that timed out late of the gateway's own busy loop. What a probe's answer means for a
+worker (up, its models, its load) is the pool's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
+
+import httpx
+
+from app.observe.looplag import fired_late
+from app.settings import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+_W = TypeVar("_W")
+
+
+class Prober:
+    """The pool's probes and background rounds, over the control plane's HTTP client."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+        self._running: set[tuple[object, str]] = set()
+        """(worker, kind) of every probe running now."""
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def get(self, spec: WorkerSpec, path: str, limit_s: float) -> httpx.Response:
+        """GET ``path`` from the worker within ``limit_s``; an error status raises."""
+        headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        response = await self._client.get(
+            f"{spec.base_url}{path}", headers=headers, timeout=limit_s
+        )
+        response.raise_for_status()
+        return response
+
+    async def each(
+        self, what: str, workers: Iterable[_W], probe: Callable[[_W], Awaitable[None]]
+    ) -> None:
+        """Run ``probe`` on every worker at once, except where a ``what`` probe still runs."""
+        await asyncio.gather(
+            *(self._once(w, what, functools.partial(probe, w)) for w in list(workers))
+        )
+
+    async def _once(self, worker: object, what: str, probe: Callable[[], Awaitable[None]]) -> None:
+        # A slow worker must not pile up probes of the same kind.
+        key = (worker, what)
+        if key in self._running:
+            return
+        self._running.add(key)
+        try:
+            await probe()
+        finally:
+            self._running.discard(key)
+
+    def timed_out_late(
+        self, label: str, error: BaseException, started: float, timeout: float
+    ) -> bool:
+        """Whether a probe started at ``started`` (loop time) timed out late of the gateway.
+
+        A timeout the gateway's own busy loop explains (:func:`app.observe.looplag.fired_late`)
+        says nothing of the worker: its state is kept.
+        """
+        now = asyncio.get_running_loop().time()
+        if isinstance(error, httpx.TimeoutException) and fired_late(started, now, timeout):
+            log.info(
+                "probe of worker %s timed out %.1f s late: the gateway was busy, the worker's "
+                "state is kept", label, now - started - timeout,
+            )  # fmt: skip
+            return True
+        return False
+
+    def start(self, rounds: Iterable[tuple[str, float, Callable[[], Awaitable[None]]]]) -> None:
+        """Run each ``(name, interval, job)`` every ``interval`` seconds until :meth:`stop`."""
+        self._tasks = [
+            asyncio.create_task(self._every(interval, job), name=name)
+            for name, interval, job in rounds
+        ]
+
+    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await job()
+            except Exception:  # a background job must survive anything one round throws
+                log.exception("background job failed; retrying next round")
+
+    async def stop(self) -> None:
+        """Stop the background rounds."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
