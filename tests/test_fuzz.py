@@ -10,10 +10,19 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from starlette.testclient import TestClient
 
 from app.api.errors import InvalidRequest
-from app.api.protocol import Endpoint, ParsedRequest, parse_request
+from app.api.protocol import (
+    PLAIN_FIELDS,
+    Endpoint,
+    ParsedRequest,
+    declared_values,
+    endpoint_fields,
+    parse_request,
+    plain_values,
+)
 from app.gateway import create_app
 from tests.fake_upstream import MODEL, FakeWorker
 from tests.servers import settings_for
@@ -202,3 +211,59 @@ def test_the_running_app_answers_every_body_without_a_5xx(
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert isinstance(error["code"], str)
+
+
+def _read(request: ParsedRequest) -> tuple[Any, ...]:
+    return (
+        request.model, request.user, request.stream, request.max_tokens, request.n,
+        request.wants_usage,
+    )  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(fields=_fields, endpoint=st.sampled_from([e for e in Endpoint if not e.form]))
+def test_well_typed_fields_read_without_the_model_as_the_model_reads_them(
+    fields: dict[str, Any], endpoint: Endpoint
+) -> None:
+    """Whatever parse_request accepts, by the fast path or not, the model reads the same."""
+    model = endpoint_fields(endpoint)
+    assert set(model.model_fields) <= set(PLAIN_FIELDS)  # every field read has its check
+    raw = _body(fields)
+    try:
+        fast = parse_request(endpoint, raw)
+    except InvalidRequest:
+        return  # refused: test_any_request_object_parses_or_is_an_invalid_request's case
+    try:
+        slow = ParsedRequest(endpoint, fields, declared_values(model.model_validate(fields)), raw)
+    except ValidationError as exc:
+        raise AssertionError(f"accepted what the model refuses: {exc}") from exc
+    assert _read(fast) == _read(slow)
+
+
+@pytest.mark.parametrize(
+    ("fields", "plain"),
+    [
+        ({"model": MODEL, "messages": [], "stream": True, "max_tokens": 4, "n": 2}, True),
+        ({"model": MODEL, "messages": [], "stream_options": {"include_usage": True}}, True),
+        ({"model": MODEL, "messages": [], "max_tokens": "4"}, False),  # coerced by the model
+        ({"model": MODEL, "messages": [], "max_tokens": 4.0}, False),
+        ({"model": MODEL, "messages": [], "stream": 1}, False),
+        ({"model": MODEL}, False),  # messages missing: the model's error
+    ],
+)
+def test_only_plain_json_types_skip_the_model(fields: dict[str, Any], plain: bool) -> None:
+    assert (plain_values(endpoint_fields(Endpoint.CHAT), fields) is not None) is plain
+
+
+def test_what_the_gateway_adds_goes_in_front_of_the_clients_own_bytes() -> None:
+    raw = b' {"model" :"m",  "messages":[], "stream":true}'
+    request = parse_request(Endpoint.CHAT, raw)
+    usage = b'"stream_options":{"include_usage":true},'
+    assert request.upstream_body() == b" {" + usage + raw[2:]
+    assert request.upstream_body(-1) == b" {" + usage + b'"priority":-1,' + raw[2:]
+    # A member the client sent is changed where it is: the body is encoded again.
+    own = parse_request(Endpoint.CHAT, b'{"messages":[],"stream":true,"priority":-5}')
+    assert own.upstream_body(-1) == (
+        b'{"messages":[],"stream":true,"priority":-1,"stream_options":{"include_usage":true}}'
+    )  # the client's -5 would go ahead of its tier's -1
+    assert own.upstream_body(-9) == b'{"stream_options":{"include_usage":true},' + own.raw[1:]

@@ -51,11 +51,16 @@ def _as_direct(case: dict[str, Any]) -> list[bytes]:
     return events
 
 
+def _canonical(body: bytes) -> str:
+    return json.dumps(json.loads(body), sort_keys=True)
+
+
 class RecordedWorker:
     """Answers each request with the recorded stream whose request it is."""
 
     def __init__(self, answers: dict[bytes, list[bytes]]) -> None:
-        self.answers = answers
+        # By what the request says, not its bytes: members the gateway adds may go anywhere.
+        self.answers = {_canonical(request): events for request, events in answers.items()}
         self.unexpected: list[bytes] = []
         self.transport = httpx.MockTransport(self.handle)
 
@@ -67,7 +72,7 @@ class RecordedWorker:
         if request.url.path in ("/health", "/metrics"):
             return httpx.Response(200, text="")
         body = await request.aread()
-        events = self.answers.get(body)
+        events = self.answers.get(_canonical(body))
         if events is None:
             self.unexpected.append(body)
             return httpx.Response(500, json={"error": {"message": "not a recorded request"}})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Annotated, Any
@@ -243,11 +243,15 @@ class ParsedRequest:
         self,
         endpoint: Endpoint,
         body: dict[str, Any],
-        fields: _Fields,
+        fields: Mapping[str, Any],
         raw: bytes,
         path: str | None = None,
         upload: Upload | None = None,
     ):
+        """Read ``fields``: the declared fields' values (:func:`declared_values`).
+
+        A field missing from ``fields`` reads as None.
+        """
         self.endpoint = endpoint
         self.path = path or endpoint.path
         self.body = body
@@ -255,19 +259,17 @@ class ParsedRequest:
         self.upload = upload
         # What the prompt's size is estimated from: the JSON body, or an upload's text fields.
         self.size = len(raw)
-        self.user = fields.user
-        self.model = fields.model or ""
-        self.stream = bool(_declared(fields, "stream"))
+        get = fields.get
+        self.user: str | None = get("user")
+        self.model: str = get("model") or ""
+        self.stream = bool(get("stream"))
         self.max_tokens: int | None = (
-            _declared(fields, "max_completion_tokens")
-            or _declared(fields, "max_tokens")
-            or _declared(fields, "max_output_tokens")
+            get("max_completion_tokens") or get("max_tokens") or get("max_output_tokens")
         )
-        self.n = max(1, _declared(fields, "n") or 1)
-        opts = _declared(fields, "stream_options")
+        self.n: int = max(1, get("n") or 1)
         # Only chat and text completions are asked for a usage chunk the client did not want;
         # every other stream goes to the client exactly as the worker sent it.
-        self.wants_usage = not endpoint.chunks or bool(opts is not None and opts.include_usage)
+        self.wants_usage = not endpoint.chunks or bool(get("stream_options"))
 
     def upstream_body(self, priority: int | None = None) -> bytes:
         """The body to send the worker: the client's own bytes, unless something must change.
@@ -291,7 +293,14 @@ class ParsedRequest:
             changes["priority"] = priority
         if not changes:
             return self.raw
-        body = {**self.body, **changes}
+        body = self.body
+        if not any(name in body for name in changes):
+            # Members the client did not send go in front of its own, its bytes kept: the
+            # same object to any JSON reader, without encoding the whole body again.
+            added = json.dumps(changes, separators=(",", ":")).encode()[1:-1]
+            start = self.raw.index(b"{") + 1
+            return b"%b%b%b%b" % (self.raw[:start], added, b"," if body else b"", self.raw[start:])
+        body = {**body, **changes}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
     def _overrides(self, priority: int) -> bool:
@@ -311,9 +320,77 @@ class ParsedRequest:
             return False
 
 
-def _declared(fields: _Fields, name: str) -> Any:
-    """A field the endpoint's model declares, else None (never a same-named extra field)."""
-    return getattr(fields, name) if name in type(fields).model_fields else None
+def declared_values(fields: BaseModel) -> dict[str, Any]:
+    """The values of the fields ``fields``' model declares: what :class:`ParsedRequest` reads.
+
+    Never a same-named extra field; ``stream_options`` as its ``include_usage`` flag.
+    """
+    values = {name: getattr(fields, name) for name in type(fields).model_fields}
+    opts = values.get("stream_options")
+    if isinstance(opts, StreamOptions):
+        values["stream_options"] = opts.include_usage
+    return values
+
+
+def _is_text(value: Any) -> bool:
+    return value is None or type(value) is str
+
+
+def _is_flag(value: Any) -> bool:
+    return value is None or value is True or value is False
+
+
+def _is_tokens(value: Any) -> bool:
+    return value is None or (type(value) is int and 0 <= value <= 2**31 - 1)
+
+
+def _is_count(value: Any) -> bool:
+    return value is None or (type(value) is int and -(2**63) <= value <= 2**63 - 1)
+
+
+def _is_options(value: Any) -> bool:
+    return value is None or (
+        type(value) is dict
+        and _is_flag(value.get("include_usage"))
+        and _is_flag(value.get("continuous_usage_stats"))
+    )
+
+
+PLAIN_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "model": _is_text,
+    "user": _is_text,
+    "stream": _is_flag,
+    "stream_options": _is_options,
+    "max_tokens": _is_tokens,
+    "max_completion_tokens": _is_tokens,
+    "max_output_tokens": _is_tokens,
+    "n": _is_count,
+    "messages": lambda value: type(value) is list,
+}
+"""Per field the gateway reads, whether a decoded JSON value is of the one plain type its model
+validates to itself (no coercion): such values are taken as they are, without the model."""
+
+
+def plain_values(fields: type[BaseModel], body: dict[str, Any]) -> dict[str, Any] | None:
+    """The declared fields' values when every one in ``body`` is plain, else None.
+
+    The model would accept each as it is and return it unchanged, so reading them straight
+    from the body is the same as validating (and skips validation's cost on every request of
+    a well-typed client); anything else (a coercion such as ``"4"``, a wrong type, a missing
+    required field) goes to the model, for its value or its error.
+    """
+    values: dict[str, Any] = {}
+    for name, field in fields.model_fields.items():
+        value = body.get(name)
+        if value is None and field.is_required():
+            return None
+        if not PLAIN_FIELDS[name](value):
+            return None
+        values[name] = value
+    opts = values.get("stream_options")
+    if opts is not None:
+        values["stream_options"] = opts.get("include_usage")
+    return values
 
 
 def parse_form(
@@ -325,7 +402,7 @@ def parse_form(
     except ValidationError as exc:
         raise _validation_error(exc) from exc
     text = sum(len(name) + len(value) for name, value in fields.items())
-    request = ParsedRequest(endpoint, dict(fields), parsed, b"", path, upload)
+    request = ParsedRequest(endpoint, dict(fields), declared_values(parsed), b"", path, upload)
     request.size = text
     return request
 
@@ -417,10 +494,13 @@ def parse_request(endpoint: Endpoint, raw: bytes, path: str | None = None) -> Pa
             ) from exc
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
-    try:
-        fields = _SPECS[endpoint].fields.model_validate(body)
-    except ValidationError as exc:
-        raise _validation_error(exc) from exc
+    model = _SPECS[endpoint].fields
+    fields = plain_values(model, body)
+    if fields is None:
+        try:
+            fields = declared_values(model.model_validate(body))
+        except ValidationError as exc:
+            raise _validation_error(exc) from exc
     return ParsedRequest(endpoint, body, fields, raw, path)
 
 
