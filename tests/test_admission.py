@@ -239,6 +239,33 @@ def test_lower_tiers_leave_the_slots_higher_tiers_are_expected_to_need() -> None
     assert not admission.room.full(worker, batch)
 
 
+def test_an_idle_worker_has_room_for_every_tier_however_its_limits_stand() -> None:
+    """What lets admission skip weighing the workers when all are idle (Room.idle)."""
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker, room = pool.workers["a:1"], admission.room
+    interactive = _tier(settings, "interactive")
+    admission.completed("interactive", 30.0)  # long holds: a surge keeps every slot...
+    _arrive(admission, [(clock.now, interactive.priority) for _ in range(40)])
+    clock.advance(0.01)
+    worker.limit.cut(40, clock.now)  # ...the running limit is cut...
+    worker.limit.value = 1
+    worker.prefill_limit = ConcurrencyLimit(initial=1, maximum=256)  # ...so is the prefill one
+    worker.saw_served(1.0, 0.09, 0.08)
+    worker.load = LoadSample(0, 0, 0.5, clock.now, kv_tokens=10.0)  # and the KV cache fits 1
+    assert room.idle(worker, clock.now)
+    for tier in settings.tiers:
+        for reserving in (True, False):
+            for tokens in (0.0, 1e6):
+                assert not room.full(worker, tier, 4, clock.now, reserving, tokens), tier.name
+    # Anything running, or the worker saying it is full, and it is not idle.
+    worker.in_flight = 1
+    assert not room.idle(worker, clock.now)
+    worker.in_flight = 0
+    worker.load = LoadSample(0, 0, 0.99, clock.now)
+    assert not room.idle(worker, clock.now)
+
+
 def test_slots_are_kept_from_what_a_worker_was_seen_to_serve_not_an_unmeasured_limit() -> None:
     clock = FakeClock()
     admission, pool, metrics, settings = _controller(clock)

@@ -13,8 +13,10 @@ import json
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
+from app.http.body import BODY_KEY, read_body
 from app.http.front import (
     ABORT_KEY,
     FIRST_BYTE_KEY,
@@ -253,6 +255,30 @@ async def test_an_expect_continue_is_answered_when_the_body_is_asked_for() -> No
     protocol.data_received(b"abc")
     await settle()
     assert transport.writes[1].endswith(b"POST /u abc")
+
+
+async def test_a_body_that_arrived_whole_is_read_at_once_else_as_it_arrives() -> None:
+    """read_body takes a body the exchange holds whole (BODY_KEY); a split one it receives."""
+    bodies: list[bytes] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        source = scope[BODY_KEY]
+        whole = source.arrived_body()
+        bodies.append(b"whole:" + whole if whole is not None else b"parts")
+        assert source.arrived_body() is None  # taken once
+        raw = await read_body(Request(scope, receive), 100, 5.0) if whole is None else b""
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": raw})
+
+    protocol, transport = connect(app)
+    protocol.data_received(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi")
+    await settle()
+    protocol.data_received(b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n\r\nab")
+    await settle()
+    protocol.data_received(b"cd")
+    await settle()
+    assert bodies == [b"whole:hi", b"parts"]
+    assert transport.wire.endswith(b"content-length: 4\r\n\r\nabcd")
 
 
 async def test_a_connection_close_request_is_answered_then_closed() -> None:

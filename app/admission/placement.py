@@ -36,22 +36,27 @@ class Placement:
         """
         candidates = self._router.candidates(ticket.model) if workers is None else workers
         n = len(candidates)
+        room = self._room
+        # Only tiers below the top keep to the prefill budget: the top tier skips the lookup.
+        top = ticket.tier.priority == room.top
+        # Requests of higher tiers queued in other gateway processes, as this process's own
+        # would be: ahead of this one, for the next slots of the workers they may run on.
+        elsewhere = 0 if top else room.demand.queued_elsewhere(ticket.model, ticket.tier, now)
+        yielded = math.ceil(elsewhere / max(n, 1))
+        if not yielded and all(room.idle(w, now) for w in candidates):
+            # No worker is full (Room.idle): the router's choice, without weighing each one.
+            return self._router.choose(
+                ticket.model, ticket.own_tokens, ticket.route, frozenset(), candidates
+            )
         # Below saturation nothing is held back for higher tiers: see :meth:`reserving`. Its
         # slots are what the workers would run at the aim: the loads they were seen at are a
         # lower bound, which would read bursts below saturation as saturation.
-        limits = self._room.limits
-        slots = sum(limits.proven_cap(w, at_aim=True) for w in candidates)
+        slots = sum(room.limits.proven_cap(w, at_aim=True) for w in candidates)
         reserving = self.reserving(slots, now)
-        # Only tiers below the top keep to the prefill budget: the top tier skips the lookup.
-        top = ticket.tier.priority == self._room.top
-        # Requests of higher tiers queued in other gateway processes, as this process's own
-        # would be: ahead of this one, for the next slots of the workers they may run on.
-        elsewhere = 0 if top else self._room.demand.queued_elsewhere(ticket.model, ticket.tier, now)
-        yielded = math.ceil(elsewhere / max(n, 1))
         full = frozenset(
             w.label
             for w in candidates
-            if self._room.full(
+            if room.full(
                 w,
                 ticket.tier,
                 n,

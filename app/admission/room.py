@@ -62,6 +62,21 @@ class Room:
             known = self._ttft_by_priority.get(t.priority, math.inf)
             self._ttft_by_priority[t.priority] = min(known, t.ttft_slo_s)
 
+    def idle(self, worker: Worker, now: float) -> bool:
+        """Whether ``worker`` runs nothing and says it is not full: then it has room for any tier.
+
+        Every limit :meth:`full` reads is at least one request (a cut limit, the slots kept for
+        higher tiers, the KV cache's fit all leave one), no prompt prefills and no stream
+        decodes there to be delayed or stalled: :meth:`full` is False for it, whatever the tier,
+        as long as no slot is yielded to other processes' queued requests.
+        """
+        return (
+            not worker.prefilling
+            and not worker.decoding
+            and self.limits.occupied(worker, now) <= 0
+            and not self.limits.saturated(worker, now)
+        )
+
     def full(
         self,
         worker: Worker,

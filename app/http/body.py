@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -21,6 +21,17 @@ if TYPE_CHECKING:  # a typing-only name of python-multipart's
     from python_multipart.multipart import MultipartCallbacks
 
 
+BODY_KEY = "gateway.body"
+"""Scope key of the request's :class:`ArrivedBody`, when the server offers one."""
+
+
+class ArrivedBody(Protocol):
+    """A server's hold on a request's body: all of it at once, when all of it has arrived."""
+
+    def arrived_body(self) -> bytes | None:
+        """The whole body, taken, or None (more is to come, or some was received already)."""
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The whole body, or :class:`BodyTooLarge` as soon as it is known to exceed ``limit``.
 
@@ -28,7 +39,17 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     body is read only until it crosses the limit. A body not complete ``timeout_s`` after its
     headers is :class:`ClientStalled` (408): a client trickling its body would otherwise hold
     its connection, and the request's place, for as long as it likes.
+
+    A body the server already holds whole (:data:`BODY_KEY`) is taken as it is: nothing is
+    left to wait for.
     """
+    source: ArrivedBody | None = request.scope.get(BODY_KEY)
+    if source is not None:
+        body = source.arrived_body()
+        if body is not None:
+            if len(body) > limit:
+                raise BodyTooLarge(_too_large(limit))
+            return body
     chunks: list[bytes] = []
     await _read(request, limit, timeout_s, chunks.append)
     return b"".join(chunks)

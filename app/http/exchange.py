@@ -80,7 +80,8 @@ class Exchange:
     """
 
     __slots__ = (
-        "_chunked", "_conn", "_continue", "_event", "_gone", "_head", "_left", "_no_body", "body",
+        "_chunked", "_conn", "_continue", "_event", "_gone", "_head", "_left", "_no_body", "_taken",
+        "body",
         "complete", "disconnected", "keep_alive", "more_body", "scope", "started",
     )  # fmt: skip
 
@@ -94,6 +95,7 @@ class Exchange:
         self._event = asyncio.Event()
         self.body = bytearray()
         self.more_body = True
+        self._taken = False
         self.disconnected = False
         self.started = False
         """The app gave the response's status and headers."""
@@ -110,6 +112,18 @@ class Exchange:
         """More of the request arrived, or it ended, or the connection did."""
         self._event.set()
 
+    def arrived_body(self) -> bytes | None:
+        """The request's whole body, taken at once if all of it has arrived.
+
+        None while more is to come, or once any of it was received: then :meth:`receive`
+        (:class:`app.http.body.ArrivedBody`).
+        """
+        if self.more_body or self.disconnected or self.complete or self._continue or self._taken:
+            return None
+        self._taken = True
+        body, self.body = bytes(self.body), bytearray()
+        return body
+
     async def receive(self) -> Message:
         """ASGI's ``receive``: the body as it arrives, then ``http.disconnect`` at the end."""
         conn = self._conn
@@ -123,6 +137,7 @@ class Exchange:
             self._event.clear()
         if self.disconnected or self.complete:
             return {"type": "http.disconnect"}
+        self._taken = True
         body, self.body = bytes(self.body), bytearray()
         return {"type": "http.request", "body": body, "more_body": self.more_body}
 

@@ -59,6 +59,7 @@ import httptools
 from starlette.types import ASGIApp
 
 from app.api.errors import error_body
+from app.http.body import BODY_KEY
 from app.http.connection import ClientConnection, ClientLimits
 from app.http.exchange import STATUS_LINES, Exchange
 from app.http.writer import WRITER_KEY, AsgiWriter, ResponseWriter, send_now
@@ -242,7 +243,7 @@ class FrontProtocol(ClientConnection):
             scope[OVER_CAPACITY_KEY] = True
         keep_alive = version != "1.0" and parser.should_keep_alive()
         exchange = Exchange(self, scope, keep_alive, self._continue)
-        scope[WRITER_KEY] = exchange
+        scope[WRITER_KEY] = scope[BODY_KEY] = exchange
         self._reading = exchange
         if self._exchange is None:
             self._begin(exchange)
