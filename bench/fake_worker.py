@@ -85,18 +85,19 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, words)
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, as vLLM writes it."""
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _chunk(payload: bytes) -> bytes:
+def http_chunk(payload: bytes) -> bytes:
     """``payload`` framed as one HTTP/1.1 chunk."""
     return b"%x\r\n%b\r\n" % (len(payload), payload)
 
 
-def _error(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
+def error_body(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
     """The error body vLLM sends."""
-    return _dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})
+    return dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})
 
 
 class WorkerStats:
@@ -194,11 +195,11 @@ class _Stream:
                 f'"model":{self._model},"choices":[{{"index":0,"delta":{{"role":"assistant",'
                 f'"content":""}},"logprobs":null,"finish_reason":null}}]}}'
             ).encode()
-            transport.write(_chunk(b"data: " + role + b"\n\n"))
+            transport.write(http_chunk(b"data: " + role + b"\n\n"))
         last = i == self._n - 1
-        text = _dumps(token_text(i))
+        text = dumps(token_text(i))
         event = b"data: " + self._head + text + (self._tail_last if last else self._tail) + b"\n\n"
-        transport.write(_chunk(event))
+        transport.write(http_chunk(event))
         if not last:
             self._i = i + 1
             # Absolute deadlines: a late tick does not push back the ones after it.
@@ -212,8 +213,8 @@ class _Stream:
                 f'"model":{self._model},"choices":[],"usage":{{"prompt_tokens":{self._prompt},'
                 f'"total_tokens":{self._prompt + self._n},"completion_tokens":{self._n}}}}}'
             ).encode()
-            transport.write(_chunk(b"data: " + usage + b"\n\n"))
-        transport.write(_chunk(_DONE) + _LAST_CHUNK)
+            transport.write(http_chunk(b"data: " + usage + b"\n\n"))
+        transport.write(http_chunk(_DONE) + _LAST_CHUNK)
         self._done_cb(True)
 
     def cancel(self) -> None:
@@ -266,13 +267,13 @@ class _Connection(asyncio.Protocol):
                     self._reply_and_close(431, "request head too large")
                 return
             try:
-                method, target, version, headers = _parse_head(bytes(self._buf[:end]))
+                method, target, version, headers = parse_head(bytes(self._buf[:end]))
             except ValueError as exc:
                 self._reply_and_close(400, str(exc))
                 return
             body_start = end + 4
             if headers.get("transfer-encoding", "").lower() == "chunked":
-                decoded = _dechunk(self._buf, body_start)
+                decoded = dechunk(self._buf, body_start)
                 if decoded is None:
                     return
                 body, consumed = decoded
@@ -301,7 +302,7 @@ class _Connection(asyncio.Protocol):
         worker = self._worker
         if path in ("/v1/chat/completions", "/v1/completions"):
             if method != "POST":
-                self._reply(405, _error(405, "Method Not Allowed", "BadRequestError"))
+                self._reply(405, error_body(405, "Method Not Allowed", "BadRequestError"))
                 return
             self._generate(path == "/v1/chat/completions", body)
         elif path == "/health":
@@ -311,7 +312,7 @@ class _Connection(asyncio.Protocol):
         elif path == "/metrics":
             self._reply(200, worker.metrics_text(), content_type="text/plain; version=0.0.4")
         else:
-            self._reply(404, _error(404, "Not Found", "NotFoundError"))
+            self._reply(404, error_body(404, "Not Found", "NotFoundError"))
 
     def _generate(self, chat: bool, raw: bytes) -> None:
         worker = self._worker
@@ -321,12 +322,12 @@ class _Connection(asyncio.Protocol):
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
         except ValueError as exc:
-            self._reply(400, _error(400, f"invalid JSON body: {exc}", "BadRequestError"))
+            self._reply(400, error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
             return
         model = body.get("model", cfg.model)
         if model != cfg.model:
             message = f"The model `{model}` does not exist."
-            self._reply(404, _error(404, message, "NotFoundError", "model"))
+            self._reply(404, error_body(404, message, "NotFoundError", "model"))
             return
         n = body.get("max_completion_tokens") if chat else None
         if n is None:
@@ -334,7 +335,7 @@ class _Connection(asyncio.Protocol):
         if n is None:
             n = cfg.tokens
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            self._reply(400, _error(400, "max_tokens must be at least 1", "BadRequestError"))
+            self._reply(400, error_body(400, "max_tokens must be at least 1", "BadRequestError"))
             return
         prompt = prompt_tokens(body)
         if prompt + n > cfg.max_model_len:
@@ -343,7 +344,7 @@ class _Connection(asyncio.Protocol):
                 f"you requested {prompt + n} tokens ({prompt} in the messages, {n} in the "
                 "completion). Please reduce the length of the messages or completion."
             )
-            self._reply(400, _error(400, message, "BadRequestError"))
+            self._reply(400, error_body(400, message, "BadRequestError"))
             return
         stream = body.get("stream") is True
         options = body.get("stream_options")
@@ -353,7 +354,9 @@ class _Connection(asyncio.Protocol):
         # ignores these fields; the gateway passes unknown fields through).
         ttft_ms, itl_ms = body.get("fake_ttft_ms", cfg.ttft_ms), body.get("fake_itl_ms", cfg.itl_ms)
         if not all(isinstance(v, int | float) and 0 <= v <= 3_600_000 for v in (ttft_ms, itl_ms)):
-            self._reply(400, _error(400, "fake_ttft_ms/fake_itl_ms: bad value", "BadRequestError"))
+            self._reply(
+                400, error_body(400, "fake_ttft_ms/fake_itl_ms: bad value", "BadRequestError")
+            )
             return
         t0 = self._loop.time()
         t_first = t0 + ttft_ms / 1000.0
@@ -392,7 +395,7 @@ class _Connection(asyncio.Protocol):
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason="length", stop_reason=None)
-        payload = _dumps(
+        payload = dumps(
             {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
@@ -451,11 +454,11 @@ class _Connection(asyncio.Protocol):
 
     def _reply_and_close(self, status: int, message: str) -> None:
         self._keep_alive = False
-        self._reply(status, _error(status, message, "BadRequestError"))
+        self._reply(status, error_body(status, message, "BadRequestError"))
         self._buf.clear()
 
 
-def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
+def parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
     """Request line and headers (names lower-cased; a repeated header keeps the last value)."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
@@ -470,7 +473,7 @@ def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
     return parts[0], parts[1], parts[2], headers
 
 
-def _dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
+def dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
     """A chunked body starting at ``start``: (body, end offset), or None while incomplete."""
     body = bytearray()
     pos = start
@@ -515,7 +518,7 @@ class FakeWorker:
             "parent": None,
             "max_model_len": cfg.max_model_len,
         }
-        self.models_body = _dumps({"object": "list", "data": [card]})
+        self.models_body = dumps({"object": "list", "data": [card]})
 
     def next_id(self) -> str:
         """A unique request id suffix (cheaper than a uuid per request)."""
