@@ -1,6 +1,8 @@
 """Agreement: vLLM's own benchmark client against the gateway's histograms, at 1 to 64 streams.
 
 ``python -m bench.agreement [--streams 1,4,16,64] [--worker URL] [--aiperf PATH]``
+``python -m bench.agreement --goodput 200 [--streams 4,16]``: goodput as the client counts it
+(:func:`goodput`) beside the gateway's ``gateway_slo_requests_total``.
 
 ``vllm.benchmarks.serve`` (from the worker's venv) runs through the gateway against a real vLLM
 CPU worker serving ``tiny-llama`` (started here, pinned to every CPU but the last, unless
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import tempfile
@@ -71,7 +74,7 @@ async def _histograms(url: str) -> dict[str, list[tuple[float, float]]]:
     return {name: sorted(bounds.items()) for name, bounds in found.items()}
 
 
-def _bench(gateway: str, streams: int, prompts: int, out: Path) -> dict[str, Any]:
+def _bench(gateway: str, streams: int, prompts: int, out: Path, *more: str) -> dict[str, Any]:
     args = [
         "--backend", "openai-chat", "--base-url", gateway, "--endpoint", "/v1/chat/completions",
         "--model", MODEL, "--tokenizer", str(MODEL_DIR), "--dataset-name", "random",
@@ -79,7 +82,7 @@ def _bench(gateway: str, streams: int, prompts: int, out: Path) -> dict[str, Any
         "--num-prompts", str(prompts), "--max-concurrency", str(streams), "--seed", "7",
         "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-        "--disable-tqdm",
+        "--disable-tqdm", *more,
     ]  # fmt: skip
     done = subprocess.run(
         [str(WORKER_PYTHON), "-c", _RUNNER, *args],
@@ -161,6 +164,85 @@ def measure(worker: str, streams: int, aiperf: str | None = None) -> dict[str, A
     }
 
 
+async def _slo_counts(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "gateway_slo_requests_total":
+                result = sample.labels["result"]
+                counts[result] = counts.get(result, 0.0) + sample.value
+    return counts
+
+
+def _tpots_ms(result: dict[str, Any]) -> list[float]:
+    return [sum(gaps) / len(gaps) * 1000 for gaps in result["itls"] if gaps]
+
+
+def goodput(worker: str, streams: int, prompts: int) -> list[dict[str, Any]]:
+    """``vllm bench serve --goodput`` against the gateway's ``gateway_slo_requests_total``.
+
+    The same targets go to the client (``--goodput``) and, as ``x-slo-ttft-ms`` /
+    ``x-slo-tpot-ms`` headers, to the gateway, which judges each request by them. The targets
+    come from a first run: its TTFT median alone (half the requests miss it), its TPOT median
+    alone, both p90s, and both loose (an hour). Admission off: every request is served as it
+    comes.
+    """
+    env = {"GATEWAY_WORKERS": worker, "GATEWAY_ADMISSION": "false"}
+    rows: list[dict[str, Any]] = []
+    with running_gateway(env, free_port(), f"goodput-{streams}") as url:
+        with tempfile.TemporaryDirectory() as tmp:
+            first = _bench(url, streams, prompts, Path(tmp) / "first.json", "--save-detailed")
+        ttfts = sorted(t * 1000 for t in first["ttfts"])
+        tpots = sorted(_tpots_ms(first))
+        loose = 3_600_000.0
+        pairs = [
+            ("TTFT p50", ttfts[len(ttfts) // 2], loose),
+            ("TPOT p50", loose, tpots[len(tpots) // 2]),
+            ("both p90", ttfts[len(ttfts) * 9 // 10], tpots[len(tpots) * 9 // 10]),
+            ("loose", loose, loose),
+        ]
+        for name, ttft, tpot in pairs:
+            before = asyncio.run(_slo_counts(url))
+            with tempfile.TemporaryDirectory() as tmp:
+                client = _bench(
+                    url, streams, prompts, Path(tmp) / "run.json",
+                    "--goodput", f"ttft:{ttft:.3f}", f"tpot:{tpot:.3f}",
+                    "--header", f"x-slo-ttft-ms={ttft:.3f}",
+                    "--header", f"x-slo-tpot-ms={tpot:.3f}",
+                )  # fmt: skip
+            after = asyncio.run(_slo_counts(url))
+            met = after.get("met", 0.0) - before.get("met", 0.0)
+            good = round(client["request_goodput"] * client["duration"])
+            rows.append({
+                "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
+                "requests": client["completed"], "client_good": good, "gateway_met": met,
+                "disagree_share": abs(good - met) / max(client["completed"], 1),
+            })  # fmt: skip
+    return rows
+
+
+def _ms(value: float) -> str:
+    return "1 h" if value >= 3_600_000 else f"{value:.2f} ms"
+
+
+def goodput_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The goodput comparison as a markdown table."""
+    lines = [
+        "| streams | targets | TTFT target | TPOT target | requests | client good "
+        "| gateway met | apart |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['streams']} | {r['targets']} | {_ms(r['ttft_ms'])} | {_ms(r['tpot_ms'])}"
+            f" | {r['requests']} | {r['client_good']} | {r['gateway_met']:.0f}"
+            f" | {100 * r['disagree_share']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The markdown table of the results."""
     lines = [
@@ -185,10 +267,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,4,16,64")
     parser.add_argument("--worker", default=None, help="a running tiny-llama worker's URL")
     parser.add_argument("--aiperf", default=None, help="an aiperf executable, as the client")
+    parser.add_argument(
+        "--goodput",
+        type=int,
+        default=0,
+        metavar="PROMPTS",
+        help="compare vllm bench serve's goodput with the gateway's SLO count instead, "
+        "with this many requests per run",
+    )
     args = parser.parse_args(argv)
     unwind_on_sigterm()
     levels = [int(level) for level in args.streams.split(",")]
     rows: list[dict[str, Any]] = []
+    if args.goodput:
+        with contextlib.ExitStack() as stack:
+            url = (
+                args.worker
+                or stack.enter_context(running_workers([VllmWorker(port=free_port())]))[0].url
+            )
+            for level in levels:
+                rows += goodput(url, level, args.goodput)
+        for row in rows:
+            log(json.dumps(row))
+        print(goodput_table(rows))
+        write_json("goodput-agreement", {"client": "vllm", "rows": rows})
+        return 0
     if args.worker:
         rows = [measure(args.worker, level, args.aiperf) for level in levels]
     else:

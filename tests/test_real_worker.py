@@ -521,3 +521,79 @@ async def test_vllm_benchmark_client_agrees_with_the_gateway_histograms(
     assert abs(bench_itl_ms - gateway_itl_ms) <= 5.0
     # Tokens were relayed one per event, as the worker produced them: no merging.
     assert result["median_itl_ms"] > 0.2
+
+
+async def _vllm_bench(url: str, out: Any, prompts: int, streams: int, *more: str) -> Any:
+    """vLLM's benchmark client through the gateway at ``url``; its saved, detailed result."""
+    from scripts.vllm_worker import MODEL_DIR, WORKER_PYTHON, worker_env
+
+    runner = (
+        "import sys\n"
+        "from vllm.benchmarks.serve import add_cli_args, main\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "parser = FlexibleArgumentParser()\n"
+        "add_cli_args(parser)\n"
+        "main(parser.parse_args(sys.argv[1:]))\n"
+    )
+    args = [
+        "--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
+        "--model", MODEL, "--tokenizer", str(MODEL_DIR), "--dataset-name", "random",
+        "--random-input-len", "64", "--random-output-len", "24", "--ignore-eos",
+        "--num-prompts", str(prompts), "--max-concurrency", str(streams), "--seed", "11",
+        "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+        "--result-filename", out.name, "--disable-tqdm", *more,
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        str(WORKER_PYTHON), "-c", runner, *args, env=worker_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    output, _ = await asyncio.wait_for(proc.communicate(), 300)
+    assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
+    result = json.loads(out.read_text())
+    assert result["completed"] == prompts, output.decode(errors="replace")[-3000:]
+    return result
+
+
+async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
+    vllm_worker_url: str, tmp_path: Any
+) -> None:
+    """``vllm bench serve --goodput`` with the same targets sent as SLO headers: the client's
+    good requests are the gateway's met ones, but for those within a hair of the target.
+
+    The TPOT target is the median of a first run, so that the second splits around it (the
+    TTFT target is an hour). Both read TPOT over the same stream of tokens, the client from its
+    reads, the gateway from its writes: they differ by a loop's lag over the answer's 23 gaps,
+    so only a request the client saw within 3% of the target may be counted differently.
+    """
+    await wait_idle(vllm_worker_url, 5)
+    prompts, streams = 24, 4
+    settings = settings_for(vllm_worker_url, admission=False)
+
+    def tpots_ms(result: Any) -> list[float]:
+        return [sum(gaps) / len(gaps) * 1000 for gaps in result["itls"]]
+
+    async with running_gateway(settings) as url:
+        first = await _vllm_bench(url, tmp_path / "first.json", prompts, streams)
+        target = sorted(tpots_ms(first))[prompts // 2]
+        before = await scrape(url)
+        result = await _vllm_bench(
+            url, tmp_path / "second.json", prompts, streams,
+            "--goodput", "ttft:3600000", f"tpot:{target:.3f}",
+            "--header", "x-slo-ttft-ms=3600000", "--header", f"x-slo-tpot-ms={target:.3f}",
+        )  # fmt: skip
+        after = await scrape(url)
+    labels = {"model": MODEL, "tier": "standard"}
+    slo = "gateway_slo_requests_total"
+
+    def grew(result: str) -> float:
+        return total(after, slo, **labels, result=result) - total(
+            before, slo, **labels, result=result
+        )
+
+    good = round(result["request_goodput"] * result["duration"])
+    met, missed = grew("met"), grew("missed_tpot")
+    near = sum(1 for t in tpots_ms(result) if abs(t - target) <= 0.03 * target)
+    print(f"TPOT target {target:.2f} ms: client good {good}, gateway met {met:.0f}, near {near}")
+    assert met + missed == prompts
+    assert 0 < met < prompts  # the target split the requests: the comparison means something
+    assert abs(good - met) <= near
