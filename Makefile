@@ -17,7 +17,8 @@ help:
 	@echo "make test   - lint, type-check and run the whole test suite against a real vLLM worker"
 	@echo "make bench  - gateway overhead benchmark (prints a table)"
 	@echo "make bench-routing   - the routing policies compared on two real workers"
-	@echo "make bench-admission - admission on vs off from 0.25x to 3x capacity (real workers)"
+	@echo "make bench-admission - admission on vs off from 0.25x to 3x capacity (real workers;"
+	@echo "                       ARGS=\"--engine sim\": four simulated GPU-scale ones)"
 	@echo "make unit   - the tests that need no vLLM worker"
 
 $(STAMP): pyproject.toml
@@ -64,7 +65,7 @@ bench-routing: install worker
 	$(BIN)/python -m bench.routing
 
 bench-admission: install worker
-	$(BIN)/python -m bench.admission
+	$(BIN)/python -m bench.admission $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-worker .venv-ops .venv-router .run .mypy_cache .ruff_cache .pytest_cache

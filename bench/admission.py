@@ -74,10 +74,29 @@ from bench.live import (
     write_json,
 )
 from bench.overhead import free_port, percentile
+from bench.sim_worker import running_sims
 from scripts.redis_server import RedisServer
 from scripts.vllm_worker import separate_cpus
 
-TIERS: dict[str, TierSpec] = {tier.name: tier for tier in DEFAULT_TIERS}
+DEFAULT_TIER_MAP: Final = {tier.name: tier for tier in DEFAULT_TIERS}
+TIERS: dict[str, TierSpec] = dict(DEFAULT_TIER_MAP)
+"""The tiers requests are judged by (and the gateway is given): the defaults, or scaled."""
+SIM_MAX_RPS = 1000.0
+"""The capacity search's ceiling with simulated workers."""
+
+
+def use_scaled_tiers(scale: float) -> None:
+    """Judge (and configure) by the default tiers with every target and wait times ``scale``."""
+    for name, tier in DEFAULT_TIER_MAP.items():
+        TIERS[name] = tier.model_copy(
+            update={
+                "ttft_slo_s": tier.ttft_slo_s * scale,
+                "tpot_slo_s": None if tier.tpot_slo_s is None else tier.tpot_slo_s * scale,
+                "max_queue_wait_s": tier.max_queue_wait_s * scale,
+            }
+        )
+
+
 MIX = (("interactive", 0.3), ("standard", 0.5), ("batch", 0.2))
 MAX_TOKENS = 64
 WARMUP_STREAMS = 64
@@ -86,6 +105,8 @@ CALIBRATION_RUNS = 2
 CALIBRATION_START_RPS = 6.0
 CALIBRATION_MIN_RPS = 0.25
 CALIBRATION_MAX_RPS = 30.0
+SEARCH_GEOMETRIC_RPS = 30.0
+"""Above this rate the capacity search doubles (and then bisects) instead of stepping by 1."""
 GIVE_UP_CHECK_S = 0.1
 LOADS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 COLD_BURST = 64
@@ -326,7 +347,12 @@ async def attainment_at(
 
 
 async def calibrate(
-    gateway: str, seconds: float, keys: Mapping[str, str], rng: random.Random
+    gateway: str,
+    seconds: float,
+    keys: Mapping[str, str],
+    rng: random.Random,
+    most: float = CALIBRATION_MAX_RPS,
+    geometric: float = SEARCH_GEOMETRIC_RPS,
 ) -> tuple[float, list[dict[str, float]]]:
     """Capacity: the highest Poisson rate at which 90% of requests meet the interactive SLO.
 
@@ -366,10 +392,14 @@ async def calibrate(
         log(f"calibration: {rate:.1f} req/s: {100 * met:.1f}% over {len(runs)} runs")
         return met >= CALIBRATION_ATTAINMENT
 
-    return await search_capacity(step), steps
+    return await search_capacity(step, most, geometric), steps
 
 
-async def search_capacity(passes: Callable[[float], Awaitable[bool]]) -> float:
+async def search_capacity(
+    passes: Callable[[float], Awaitable[bool]],
+    most: float = CALIBRATION_MAX_RPS,
+    geometric: float = SEARCH_GEOMETRIC_RPS,
+) -> float:
     """The highest rate ``passes``, searched as :func:`calibrate` says (0: none down to the floor).
 
     Up or down from ``CALIBRATION_START_RPS`` in steps of 1 req/s; below 1 req/s in halves
@@ -379,16 +409,28 @@ async def search_capacity(passes: Callable[[float], Awaitable[bool]]) -> float:
     """
     passed: dict[float, bool] = {}
     rate = CALIBRATION_START_RPS
-    while CALIBRATION_MIN_RPS <= rate <= CALIBRATION_MAX_RPS and rate not in passed:
+    while CALIBRATION_MIN_RPS <= rate <= most and rate not in passed:
         passed[rate] = await passes(rate)
         if passed[rate]:
-            rate = rate + 1.0 if rate >= 1.0 else rate * 2
+            rate = rate + 1.0 if 1.0 <= rate < geometric else rate * 2
         else:
-            rate = rate - 1.0 if rate > 1.0 else rate / 2
+            rate = rate - 1.0 if 1.0 < rate <= geometric else rate / 2
     best = max((r for r, ok in passed.items() if ok), default=0.0)
     failed = min((r for r, ok in passed.items() if not ok and r > best), default=math.inf)
-    if best > 0 and failed - best >= 0.5 and await passes((best + failed) / 2):
-        best = (best + failed) / 2
+    # Then halve the gap between the last pass and the first failure, down to 0.5 req/s (a
+    # tenth of the rate above SEARCH_GEOMETRIC_RPS, where the search doubled).
+    while (
+        best > 0
+        and failed < math.inf
+        and failed - best >= (0.5 if best <= geometric else best / 10)
+    ):
+        middle = (best + failed) / 2
+        if await passes(middle):
+            best = middle
+        else:
+            failed = middle
+        if best <= geometric:
+            break  # the step search above was fine-grained already: one midpoint, as before
     return best
 
 
@@ -568,6 +610,9 @@ class Bench:
             for t, k in self.keys.items()
         ]
         self.env = {"GATEWAY_WORKERS": ",".join(urls), "GATEWAY_API_KEYS": json.dumps(key_specs)}
+        if TIERS != DEFAULT_TIER_MAP:  # scaled for simulated workers: the gateway's too
+            self.env["GATEWAY_TIERS"] = json.dumps([t.model_dump() for t in TIERS.values()])
+            self.env["GATEWAY_FIRST_TOKEN_TIMEOUT_S"] = str(120.0 * args.time_scale)
         self.compared = 0
         if redis is not None:
             self.env["GATEWAY_PROCESSES"] = str(args.processes)
@@ -677,7 +722,12 @@ async def run(
         # first use, which would otherwise slow the first calibration steps down.
         await closed_loop(gw, WARMUP_STREAMS * len(urls), 15, bench.keys["standard"], rng)
         if args.capacity is None:
-            capacity, steps = await calibrate(gw, args.calibrate, bench.keys, rng)
+            if args.engine == "vllm":
+                capacity, steps = await calibrate(gw, args.calibrate, bench.keys, rng)
+            else:  # a simulated GPU fleet: double from the start rate, then bisect
+                capacity, steps = await calibrate(
+                    gw, args.calibrate, bench.keys, rng, SIM_MAX_RPS, geometric=0.0
+                )
             if capacity <= 0:
                 raise SystemExit(
                     f"calibration: no rate down to {CALIBRATION_MIN_RPS:g} req/s met the "
@@ -756,6 +806,27 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "to see what a tier meets without the others on the same arrival times",
     )
     parser.add_argument(
+        "--engine",
+        choices=("vllm", "sim"),
+        default="vllm",
+        help="real vLLM CPU workers, or simulated GPU-scale ones (bench.sim_worker)",
+    )
+    parser.add_argument(
+        "--sim-workers", type=int, default=4, help="simulated workers (--engine sim)"
+    )
+    parser.add_argument(
+        "--sim-args",
+        default="--max-num-seqs 64",
+        help="the simulated workers' command line beyond their port (--engine sim)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=16.0,
+        help="--engine sim: every simulated duration, the tiers' targets and waits and the "
+        "gateway's first-token timeout are multiplied by this (the machine's CPU then keeps up)",
+    )
+    parser.add_argument(
         "--processes",
         type=int,
         default=1,
@@ -775,7 +846,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     # capacity the gateway and this client need a core of their own, or they, not the
     # workers, are the bottleneck.
     with shared_state(args.processes) as redis:
-        if args.workers:
+        if args.engine == "sim":
+            scale = args.time_scale
+            use_scaled_tiers(scale)
+            sim_args = [
+                *args.sim_args.split(),
+                "--model",
+                BENCH_MODEL,
+                "--time-scale",
+                f"{scale:g}",
+            ]
+            sim_args += ["--scheduling-policy", "priority"]  # as bench_worker's vLLM workers
+            fleet = (
+                f"{args.sim_workers} simulated workers (bench.sim_worker {' '.join(sim_args)}; "
+                f"every duration and target x{scale:g})"
+            )
+            with running_sims(args.sim_workers, sim_args) as urls:
+                report = asyncio.run(run(args, urls, redis))
+        elif args.workers:
             fleet = "The workers given"
             report = asyncio.run(run(args, args.workers.split(","), redis))
         else:

@@ -38,10 +38,13 @@ import itertools
 import json
 import math
 import secrets
+import subprocess
+import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Final, cast
 
 from bench.fake_worker import (
@@ -451,6 +454,8 @@ class _Connection(asyncio.Protocol):
                 self._reply(405, error_body(405, "Method Not Allowed", "BadRequestError"))
             else:
                 self._generate(path == "/v1/chat/completions", body)
+        elif path == "/reset_prefix_cache" and method == "POST":
+            self._reply(200, b"", content_type=None)  # no prefix cache: nothing to empty
         elif path == "/health":
             self._reply(200, b"", content_type=None)
         elif path == "/v1/models":
@@ -605,6 +610,33 @@ async def serve(
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Connection(engine, models), host, port, backlog=4096)
     return server, engine
+
+
+@contextlib.contextmanager
+def running_sims(count: int, args: Sequence[str] = ()) -> Iterator[list[str]]:
+    """``count`` simulated workers as processes (``args``: their command line), their URLs."""
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        urls = []
+        for _ in range(count):
+            process = subprocess.Popen(
+                [sys.executable, "-m", "bench.sim_worker", "--port", "0", *args],
+                cwd=Path(__file__).resolve().parent.parent,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            processes.append(process)
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if "listening on" not in line:
+                raise RuntimeError(f"a simulated worker did not start: {line!r}")
+            urls.append(line.rsplit(" ", 1)[1].strip())
+        yield urls
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(10)
 
 
 def config_from(args: argparse.Namespace) -> EngineConfig:

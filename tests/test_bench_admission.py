@@ -97,6 +97,20 @@ def test_capacity_search_steps_down_below_one_request_a_second(
     assert seen == tried
 
 
+def test_capacity_search_doubles_above_its_step_range_then_bisects() -> None:
+    """A simulated GPU fleet serves far more than the CPU workers' steps of 1 req/s reach."""
+    seen: list[float] = []
+
+    async def passes(rate: float) -> bool:
+        seen.append(rate)
+        return rate <= 100.0
+
+    found = asyncio.run(search_capacity(passes, most=1000.0))
+    assert seen[:25] == [float(r) for r in range(6, 31)]
+    assert seen[25:] == [60.0, 120.0, 90.0, 105.0, 97.5]
+    assert found == 97.5  # within a tenth of the knee
+
+
 def test_tiers_sent_alone_keep_the_times_and_prompts_the_whole_mix_drew() -> None:
     mixed = workload(3.0, 40, random.Random(108))
     alone = sent(mixed, frozenset({"interactive"}))
