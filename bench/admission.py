@@ -755,7 +755,7 @@ async def run(
         names, weights = [name for name, _ in MIX], [share for _, share in MIX]
         burst = [
             Arrival(0.0, burst_rng.choices(names, weights)[0], chat_prompt(burst_rng))
-            for _ in range(COLD_BURST)
+            for _ in range(args.cold_burst)
         ]
         result = await bench.compare(f"cold burst of {len(burst)}", burst, 1.0)
         runs.append({**result, "load": None, "offered_rps": float(len(burst))})
@@ -789,6 +789,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default="on,off", help="on,off (the comparison), on or off")
     parser.add_argument(
         "--skip-extra", action="store_true", help="no cold-start burst and bursty runs"
+    )
+    parser.add_argument(
+        "--cold-burst",
+        type=int,
+        default=COLD_BURST,
+        help="streams sent at once to a fresh gateway (simulated workers: 4 x max_num_seqs)",
     )
     parser.add_argument("--calibrate", type=float, default=40.0, help="seconds per calibration run")
     parser.add_argument("--seed", type=int, default=7)
