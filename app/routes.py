@@ -31,8 +31,9 @@ from app.api.protocol import (
 from app.fleet.upstream import worker_get
 from app.http.arrival import arrival
 from app.http.body import read_body, read_form
-from app.http.front import ABORT_KEY, WRITER_KEY, ResponseWriter
+from app.http.front import ABORT_KEY
 from app.http.trace import request_trace
+from app.http.writer import WRITER_KEY, ResponseWriter
 from app.observe.timing import RequestTimer
 from app.relay.record import RequestEnd
 from app.relay.serve import Relay, RequestContext, error_response
@@ -49,7 +50,7 @@ def relay_handler(writes: bool) -> ASGIApp:
     :class:`app.gateway.GatewayApp` calls it, behind the trace (and CORS, when configured), in
     place of FastAPI for those paths: a POST is relayed, any other method is answered 405.
     With ``writes``, nothing wraps ``send`` on the way, and the relay writes to the front
-    end's :class:`~app.http.front.ResponseWriter` when the server offers one.
+    end's :class:`~app.http.writer.ResponseWriter` when the server offers one.
     """
 
     async def handle(scope: Scope, receive: Receive, send: Send) -> None:

@@ -17,18 +17,17 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from app.http.body import BODY_KEY, read_body
+from app.http.connection import ClientLimits
+from app.http.exchange import Exchange
 from app.http.front import (
     ABORT_KEY,
     FIRST_BYTE_KEY,
     HOOKS_KEY,
-    WRITER_KEY,
-    AsgiWriter,
-    ClientLimits,
-    Exchange,
     FrontHooks,
     FrontProtocol,
     front_protocol,
 )
+from app.http.writer import WRITER_KEY, AsgiWriter
 from tests.fake_upstream import FakeWorker
 from tests.servers import running_gateway, settings_for
 from tests.test_gateway_fake import _ok

@@ -17,7 +17,7 @@ import pytest
 from starlette.types import Message
 
 from app.fleet.wire import ConnectionClosed, Response, WireClient
-from app.http.front import send_now
+from app.http.writer import send_now
 
 EVENTS = [b'data: {"n":%d}\n\n' % i for i in range(6)]
 

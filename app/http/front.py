@@ -62,13 +62,11 @@ from app.api.errors import error_body
 from app.http.body import BODY_KEY
 from app.http.connection import ClientConnection, ClientLimits
 from app.http.exchange import STATUS_LINES, Exchange
-from app.http.writer import WRITER_KEY, AsgiWriter, ResponseWriter, send_now
+from app.http.writer import WRITER_KEY
 
-# Other modules import the front end's seam from here (the writer's and the connection's names).
 __all__ = [
-    "ABORT_KEY", "FIRST_BYTE_KEY", "HOOKS_KEY", "OVER_CAPACITY_KEY", "WRITER_KEY", "AsgiWriter",
-    "ClientLimits", "Exchange", "FrontHooks", "FrontProtocol", "ResponseWriter", "front_protocol",
-    "send_now",
+    "ABORT_KEY", "FIRST_BYTE_KEY", "HOOKS_KEY", "OVER_CAPACITY_KEY", "FrontHooks", "FrontProtocol",
+    "front_protocol",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)

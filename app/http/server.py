@@ -20,7 +20,8 @@ from typing import Any
 
 import uvicorn
 
-from app.http.front import ClientLimits, front_protocol
+from app.http.connection import ClientLimits
+from app.http.front import front_protocol
 from app.settings import Settings
 from app.shutdown import Shutdown
 

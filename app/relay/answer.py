@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 
-from app.http.front import ResponseWriter
+from app.http.writer import ResponseWriter
 from app.observe.timing import RequestTimer
 
 SSE_HEADERS = [

@@ -14,7 +14,7 @@ Streams are relayed event by event as they arrive: no buffering, no merging, no 
 client that disconnects cancels the worker request at once (the worker sees its connection
 close and aborts the generation). From the worker transport, each piece of the body is relayed
 in the worker connection's own callback and written to the client's socket there, through the
-front end's :class:`~app.http.front.ResponseWriter` (ASGI's ``send`` under another server): no task
+front end's :class:`~app.http.writer.ResponseWriter` (ASGI's ``send`` under another server): no task
 wakes up per event, and only a write that must wait for the client is left to the request's
 task.
 
@@ -59,7 +59,7 @@ from app.fleet.routing import Router
 from app.fleet.upstream import UpstreamSlots
 from app.fleet.wire import WireClient
 from app.fleet.workers import WorkerPool
-from app.http.front import AsgiWriter, ResponseWriter
+from app.http.writer import AsgiWriter, ResponseWriter
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import RequestTimer
 from app.relay.answer import Answer
