@@ -164,8 +164,11 @@ class Seq:
 
     @property
     def decoding(self) -> bool:
-        """Whether everything before the next token is computed (it decodes one per step)."""
-        return self.computed >= self.target
+        """Whether only the token it made last is not in the cache: its next step is a decode.
+
+        A decode computes that one token and makes the next, and costs no prefill time.
+        """
+        return self.generated > 0 and self.computed == self.target - 1
 
 
 class Engine:
@@ -180,8 +183,6 @@ class Engine:
         self.free_blocks = config.num_gpu_blocks
         self.preemptions = 0
         self.successes = 0
-        self.capacity_blocked = False
-        """The last step left requests waiting for want of a slot or KV blocks."""
         self.ttft = Histogram(_TTFT_BUCKETS)
         self.itl = Histogram(_ITL_BUCKETS)
         self._order = itertools.count()
@@ -292,16 +293,13 @@ class Engine:
                 decode.append((seq, seq.epoch))
             else:
                 chunks.append((seq, want, seq.epoch))
-        self.capacity_blocked = False
         while budget > 0 and (head := self._peek()) is not None:
             seq = head
             if len(self.running) >= cfg.max_num_seqs:
-                self.capacity_blocked = True
                 break
             want = min(seq.target - seq.computed, budget)
             need = self._blocks_for(seq, want)
             if need > self.free_blocks:
-                self.capacity_blocked = True
                 break
             self._pop()
             self.free_blocks -= need
@@ -326,7 +324,7 @@ class Engine:
         for seq, n, epoch in chunks:
             if seq.epoch == epoch:
                 seq.computed += n
-                if seq.decoding:  # the prompt (and all before) is in: the next token comes
+                if seq.computed >= seq.target:  # the prompt (and all before) is in
                     self._made(seq, now)
         self._step = None
         if self.running or self.waiting:
@@ -364,7 +362,9 @@ class Engine:
         cfg = self.config
         label = f'model_name="{cfg.model}",engine="0"'
         waiting = len(self.waiting)
-        capacity = waiting if self.capacity_blocked else 0
+        # vLLM 0.32 counts as "deferred" only requests held for reasons the model has not (KV
+        # transfer, LoRA, grammar): every other waiting request waits for capacity.
+        capacity = waiting
         used = 1.0 - self.free_blocks / cfg.num_gpu_blocks
         text = (
             "# TYPE vllm:num_requests_running gauge\n"

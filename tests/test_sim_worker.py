@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -167,3 +168,50 @@ async def test_a_client_that_leaves_frees_its_slot_at_once() -> None:
         assert time.perf_counter() - started < 1.0
     server.close()
     assert engine.free_blocks == FAST.num_gpu_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class _Recorded(EngineConfig):
+    """The fast engine, noting every step's batch and prefill tokens."""
+
+    steps: list[tuple[int, int]] = field(default_factory=list)
+
+    def step_s(self, running: int, prefill_tokens: int) -> float:
+        self.steps.append((running, prefill_tokens))
+        return EngineConfig.step_s(self, running, prefill_tokens)
+
+
+async def test_a_decode_step_costs_no_prefill_time() -> None:
+    config = _Recorded(step_a_ms=2.0, step_b_ms=0.5, step_c_us=20.0, tokens_per_word=1.0)
+    url, _, server = await _started(config)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        await asyncio.gather(*(_stream(client, words=100, tokens=6) for _ in range(8)))
+    server.close()
+    # One step prefills the eight prompts (and makes their first tokens); five decode.
+    assert config.steps == [(8, 800)] + [(8, 0)] * 5
+
+
+async def test_a_request_waits_until_the_kv_cache_has_blocks_for_its_prompt() -> None:
+    # 4 blocks of 16 tokens: a 40-token prompt takes 3 (its 10 tokens a 4th), so the second
+    # request waits for the first to end.
+    url, engine, server = await _started(replace(FAST, num_gpu_blocks=4, step_a_ms=20.0))
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        runs = [asyncio.create_task(_stream(client, words=40, tokens=10)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        load = parse_load((await client.get("/metrics")).text, 0.0)
+        assert (load.running, load.waiting, load.capacity_waiting) == (1, 1, 1)
+        assert load.kv_cache_usage == 0.75
+        await asyncio.gather(*runs)
+    server.close()
+    assert engine.preemptions == 0
+    assert engine.free_blocks == 4
+
+
+async def test_ttft_grows_with_the_requests_queued_ahead() -> None:
+    url, _, server = await _started(replace(FAST, max_num_seqs=1))
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        runs = await asyncio.gather(*(_stream(client, tokens=10) for _ in range(4)))
+    server.close()
+    ttfts = sorted(arrivals[0] - start for _, arrivals, start in runs)
+    # Each waits for the ten steps (2.5 ms each) of every request ahead of it.
+    assert all(later - earlier > 0.015 for earlier, later in itertools.pairwise(ttfts))
