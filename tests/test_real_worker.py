@@ -153,6 +153,13 @@ async def test_sdk_stream_with_usage_asked_gets_the_usage_chunk(
     assert chunks[-1].usage.prompt_tokens > 0
 
 
+def _slo_grew(before: dict[str, float], after: dict[str, float], result: str) -> float:
+    """How many more standard-tier requests of MODEL counted as ``result`` (SLO verdicts)."""
+    labels = {"model": MODEL, "tier": "standard", "result": result}
+    name = "gateway_slo_requests_total"
+    return total(after, name, **labels) - total(before, name, **labels)
+
+
 async def test_a_requests_own_slo_headers_judge_its_goodput(
     sdk: openai.AsyncOpenAI, gateway_url: str
 ) -> None:
@@ -182,15 +189,8 @@ async def test_a_requests_own_slo_headers_judge_its_goodput(
         )
     assert bad.value.param == "x-slo-tpot-ms"
     after = await scrape(gateway_url)
-    labels = {"model": MODEL, "tier": "standard"}
-    slo = "gateway_slo_requests_total"
-
-    def grew(result: str) -> float:
-        return total(after, slo, **labels, result=result) - total(
-            before, slo, **labels, result=result
-        )
-
-    assert (grew("met"), grew("missed_tpot"), grew("missed_ttft")) == (0, 1, 1)
+    grew = [_slo_grew(before, after, r) for r in ("met", "missed_tpot", "missed_ttft")]
+    assert grew == [0, 1, 1]
 
 
 async def test_sdk_chat_non_stream(sdk: openai.AsyncOpenAI, gateway_url: str) -> None:
@@ -464,40 +464,15 @@ async def test_vllm_benchmark_client_agrees_with_the_gateway_histograms(
     streams on a slower machine, 5.5 ms at 52 ms; without the first-byte stamp the gap was
     30%).
     """
-    from scripts.vllm_worker import MODEL_DIR, WORKER_PYTHON, worker_env
-
     await wait_idle(vllm_worker_url, 5)
     settings = settings_for(vllm_worker_url, ttft_buckets=_FINE_BUCKETS, itl_buckets=_FINE_BUCKETS)
-    runner = (
-        "import sys\n"
-        "from vllm.benchmarks.serve import add_cli_args, main\n"
-        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-        "parser = FlexibleArgumentParser()\n"
-        "add_cli_args(parser)\n"
-        "main(parser.parse_args(sys.argv[1:]))\n"
-    )
     async with running_gateway(settings) as gateway_url:
         before = await scrape(gateway_url)
-        args = [
-            "--backend", "openai-chat", "--base-url", gateway_url,
-            "--endpoint", "/v1/chat/completions", "--model", MODEL,
-            "--tokenizer", str(MODEL_DIR), "--dataset-name", "random",
-            "--random-input-len", "64", "--random-output-len", "48", "--ignore-eos",
-            "--num-prompts", str(prompts), "--max-concurrency", str(streams), "--seed", "7",
-            "--percentile-metrics", "ttft,itl,tpot,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-            "--result-filename", "bench.json", "--disable-tqdm",
-        ]  # fmt: skip
-        proc = await asyncio.create_subprocess_exec(
-            str(WORKER_PYTHON), "-c", runner, *args,
-            env=worker_env(),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        result = await _vllm_bench(
+            gateway_url, tmp_path / "bench.json", prompts, streams, "--seed", "7",
+            "--random-output-len", "48", "--percentile-metrics", "ttft,itl,tpot,e2el",
+            "--metric-percentiles", "50,99",
         )  # fmt: skip
-        output, _ = await asyncio.wait_for(proc.communicate(), 300)
-        assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
-        result = json.loads((tmp_path / "bench.json").read_text())
-        assert result["completed"] == prompts, output.decode(errors="replace")[-3000:]
         after = await scrape(gateway_url)
 
     ttft_hist = _histogram_delta(before, after, "gateway_time_to_first_token_seconds")
@@ -524,7 +499,10 @@ async def test_vllm_benchmark_client_agrees_with_the_gateway_histograms(
 
 
 async def _vllm_bench(url: str, out: Any, prompts: int, streams: int, *more: str) -> Any:
-    """vLLM's benchmark client through the gateway at ``url``; its saved, detailed result."""
+    """vLLM's benchmark client through the gateway at ``url``; its saved, detailed result.
+
+    ``more`` comes last on its command line: an option given there wins over the defaults.
+    """
     from scripts.vllm_worker import MODEL_DIR, WORKER_PYTHON, worker_env
 
     runner = (
@@ -582,16 +560,8 @@ async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
             "--header", "x-slo-ttft-ms=3600000", "--header", f"x-slo-tpot-ms={target:.3f}",
         )  # fmt: skip
         after = await scrape(url)
-    labels = {"model": MODEL, "tier": "standard"}
-    slo = "gateway_slo_requests_total"
-
-    def grew(result: str) -> float:
-        return total(after, slo, **labels, result=result) - total(
-            before, slo, **labels, result=result
-        )
-
     good = round(result["request_goodput"] * result["duration"])
-    met, missed = grew("met"), grew("missed_tpot")
+    met, missed = _slo_grew(before, after, "met"), _slo_grew(before, after, "missed_tpot")
     near = sum(1 for t in tpots_ms(result) if abs(t - target) <= 0.03 * target)
     print(f"TPOT target {target:.2f} ms: client good {good}, gateway met {met:.0f}, near {near}")
     assert met + missed == prompts
