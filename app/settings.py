@@ -382,7 +382,8 @@ class Settings(BaseSettings):
         default=1.0,
         gt=0,
         description="A worker holding back this many requests for capacity "
-        "(vllm:num_requests_waiting_by_reason) is saturated: no more are sent to it, and its "
+        "(vllm:num_requests_waiting_by_reason) on two scrapes in a row, with steps run between "
+        "them and no more running than before, is saturated: no more are sent to it, and its "
         "limit becomes what it runs.",
     )
     saturation_kv_cache: float = Field(

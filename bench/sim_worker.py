@@ -183,6 +183,7 @@ class Engine:
         self.free_blocks = config.num_gpu_blocks
         self.preemptions = 0
         self.successes = 0
+        self.generated = 0
         self.ttft = Histogram(_TTFT_BUCKETS)
         self.itl = Histogram(_ITL_BUCKETS)
         self._order = itertools.count()
@@ -333,6 +334,7 @@ class Engine:
     def _made(self, seq: Seq, now: float) -> None:
         """``seq`` made a token at ``now``: write it (or hold it, by the stream interval)."""
         seq.generated += 1
+        self.generated += 1
         if seq.first_at is None:
             seq.first_at = now
             self.ttft.observe(now - seq.arrival)
@@ -382,6 +384,8 @@ class Engine:
             f'"False",engine="0",num_gpu_blocks="{cfg.num_gpu_blocks}"}} 1.0\n'
             "# TYPE vllm:num_preemptions_total counter\n"
             f"vllm:num_preemptions_total{{{label}}} {float(self.preemptions)}\n"
+            "# TYPE vllm:generation_tokens counter\n"
+            f"vllm:generation_tokens_total{{{label}}} {float(self.generated)}\n"
             "# TYPE vllm:request_success_total counter\n"
             f'vllm:request_success_total{{{label},finished_reason="length"}} '
             f"{float(self.successes)}\n"

@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 
 from bench.admission import (
+    DIURNAL,
     TIERS,
     Arrival,
     _parse_args,
     certain_miss,
     checks,
+    diurnal_windows,
     drive,
     limit_cuts,
     parse_sample,
@@ -67,10 +69,43 @@ def test_replays_of_a_load_are_judged_together_and_3x_seeds_each_alone() -> None
     lines = checks(runs)
     assert "PASS goodput on >= off at or below 0.75x: every point" in lines
     assert "PASS goodput on >= 0.98x off at every point: every point" in lines
-    assert "MISS goodput on / off at 3x >= 2x: 2.05x, 1.79x" in lines
+    assert "MISS goodput on / off at 3x >= 2x at every seed: 2.05x, 1.79x" in lines
     # Both replays worse (8.2 against 8.5 req/s): the point is.
     runs[1] = _run("0.75x #2", 0.75, 4.0, 4.1)
     assert "MISS goodput on >= off at or below 0.75x: ['0.75x (2 runs) 0.96x']" in checks(runs)
+
+
+def test_the_diurnal_run_is_judged_by_window_once_the_peaks_backlog_drained() -> None:
+    # One request per window; each refused with admission on, served without.
+    arrivals = [Arrival(10.0 * k + 5.0, "batch", "hi") for k in range(len(DIURNAL))]
+    refused = {"tag": "batch", "sent": 0.0, "status": 429, "error": "http 429 queue_full"}
+    served = {"tag": "batch", "sent": 0.0, "status": 200, "ttft": 0.1, "e2e": 1.0}
+    peak_ends = 10.0 * max(k for k, load in enumerate(DIURNAL) if load > 0.75) + 10.0
+    result = {
+        "requests": {"on": [refused] * len(DIURNAL), "off": [served] * len(DIURNAL)},
+        # The queue empties 5 s after the last window above 0.75x ends.
+        "timeline": {
+            "on": [
+                {"t": peak_ends - 1.0, "gateway_queue_depth{batch}": 3.0},
+                {"t": peak_ends + 5.0, "gateway_queue_depth{batch}": 0.0},
+            ]
+        },
+    }
+    windows = diurnal_windows(arrivals, result, 10.0, 4.0)
+    assert [w["load"] for w in windows] == list(DIURNAL)
+    assert windows[1]["offered_rps"] == pytest.approx(2.0)
+    assert windows[0]["on"]["all"]["rejected"] == 1
+    assert windows[0]["off"]["all"]["goodput_rps"] == pytest.approx(0.1)
+    drained = [w["start_s"] for w in windows if w["drained"]]
+    # Light windows before the peak, and the last light one after the queue emptied.
+    assert drained == [0.0, 10.0, peak_ends + 10.0]
+    run = {"name": "diurnal", "load": None, "windows": windows, "results": {
+        mode: {"all": {"rejected": 0, "lost": 0, "goodput_rps": 1.0}} for mode in ("on", "off")
+    }}  # fmt: skip
+    assert (
+        "MISS diurnal: no rejection in a window under 0.75x once the peak's backlog drained: "
+        f"{{'0 s': 1, '10 s': 1, '{peak_ends + 10.0:.0f} s': 1}}"
+    ) in checks([run])
 
 
 @pytest.mark.parametrize(

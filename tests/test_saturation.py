@@ -17,7 +17,7 @@ from app.api.errors import Overloaded, QueueTimeout, Shed
 from app.api.outcome import LimitCut, Outcome, SloResult
 from app.fleet.lease import Lease
 from app.fleet.limiter import ConcurrencyLimit
-from app.fleet.loadsignals import LoadSample, parse_load
+from app.fleet.loadsignals import LoadSample, held_back, parse_load
 from app.fleet.prefix import BLOCK_CHARS, PromptPrefix
 from app.fleet.routing import RouteKey
 from app.fleet.workers import Worker, WorkerPool
@@ -86,7 +86,8 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     admission, pool, metrics, settings = _controller(clock, max_queue_length=2)
     worker = pool.workers["a:1"]
     # The worker holds 5 requests back for capacity, and its first tokens come late.
-    worker.load = LoadSample(10, 5, 0.3, clock.now, capacity_waiting=5)
+    for at, generated in ((-0.5, 100), (0.0, 110)):  # two pages, a step between, 5 held back
+        worker.saw_load(LoadSample(10, 5, 0.3, clock.now + at, 5, generated=generated), 0, 1.0)
     for _ in range(50):
         worker.recent_ttft.observe(0.7, clock.now)
     batch = asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
@@ -116,7 +117,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     # The worker stops holding requests back; interactive was short of capacity 2 s ago, so
     # lower tiers have let it go first until now: the standard request runs.
     clock.advance(2.0)
-    worker.load = LoadSample(4, 0, 0.1, clock.now, capacity_waiting=0)
+    worker.saw_load(LoadSample(4, 0, 0.1, clock.now, capacity_waiting=0), 0, 1.0)
     admission.dispatch()
     lease, waited = await standard
     assert lease.worker is worker
@@ -201,33 +202,88 @@ async def test_other_replicas_requests_and_the_kv_cache_count_against_the_limit(
     assert admission.room.full(worker, interactive)
 
 
-async def test_a_worker_holding_requests_back_for_capacity_sets_its_limit_to_what_it_runs() -> None:
+def _busy_page(running: int, capacity_waiting: int, generated: int) -> str:
+    """The sample busy page with these figures."""
     page = (SAMPLES / "metrics_busy.txt").read_text()
-    page = page.replace(
-        'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 1.0',
-        'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 12.0',
-    ).replace(
-        'model_name="tiny-llama",reason="capacity"} 0.0',
-        'model_name="tiny-llama",reason="capacity"} 3.0',
+    return (
+        page.replace(
+            'vllm:num_requests_running{engine="0",model_name="tiny-llama"} 1.0',
+            f'vllm:num_requests_running{{engine="0",model_name="tiny-llama"}} {running}.0',
+        )
+        .replace(
+            'model_name="tiny-llama",reason="capacity"} 0.0',
+            f'model_name="tiny-llama",reason="capacity"}} {capacity_waiting}.0',
+        )
+        .replace(
+            'vllm:generation_tokens_total{engine="0",model_name="tiny-llama"} 18439.0',
+            f'vllm:generation_tokens_total{{engine="0",model_name="tiny-llama"}} {generated}.0',
+        )
     )
+
+
+async def test_a_worker_holding_requests_back_for_capacity_sets_its_limit_to_what_it_runs() -> None:
+    pages = [
+        _busy_page(12, 3, 100),  # one page says little: a step's arrivals wait too
+        _busy_page(12, 3, 100),  # no step ran since: still that step's arrivals
+        _busy_page(12, 3, 112),  # a step ran, 3 still held back, no more running: full at 12
+        _busy_page(12, 3, 124),  # the same: nothing more to cut
+    ]
     settings = settings_for("http://a:1")
     clock = FakeClock()
     client = httpx.AsyncClient(
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, text=page))
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, text=pages.pop(0)))
     )
     metrics = GatewayMetrics(settings)
     pool = WorkerPool(settings, client, metrics, clock, NoDns())
     worker = pool.workers["a:1"]
+    limits = Limits(settings, metrics)
     assert worker.limit.limit == settings.max_running_per_worker
     await pool.scrape_load(worker)
     assert worker.load is not None
-    assert worker.load.capacity_waiting == 3
+    assert (worker.load.capacity_waiting, worker.load.generated) == (3, 100)
+    for _ in range(2):
+        assert worker.limit.limit == settings.max_running_per_worker
+        assert not limits.saturated(worker, clock.now)
+        clock.advance(0.5)
+        await pool.scrape_load(worker)
     assert worker.limit.limit == 12
+    assert limits.saturated(worker, clock.now)
     assert _cuts(metrics, "worker_queueing") == 1
-    # Still 12 running and 3 held back: the limit stands at 12, nothing more is cut.
+    clock.advance(0.5)
     await pool.scrape_load(worker)
+    assert limits.saturated(worker, clock.now)
     assert _cuts(metrics, "worker_queueing") == 1
     await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "held"),
+    [
+        ((12, 3, 100), (12, 3, 112), True),
+        ((12, 3, 100), (11, 4, 112), True),  # running fell, still holding back: full
+        ((8, 3, 100), (12, 2, 112), False),  # running grew: it is still taking them in
+        ((12, 3, 100), (12, 3, 100), False),  # no step between: one long step's arrivals
+        ((12, 0, 100), (12, 3, 112), False),  # a first sight of waiting
+        ((12, 3, 100), (12, 0, 112), False),
+    ],
+)
+def test_holding_back_is_seen_on_two_pages_with_a_step_between(
+    before: tuple[int, int, int], after: tuple[int, int, int], held: bool
+) -> None:
+    first = parse_load(_busy_page(*before), 1.0)
+    second = parse_load(_busy_page(*after), 1.5)
+    assert held_back(first, second, 1.0) is held
+    assert not held_back(None, second, 1.0)
+    assert not held_back(second, second, 1.0)  # the same sample twice
+
+
+def test_without_a_generated_count_two_pages_in_a_row_suffice() -> None:
+    first = LoadSample(12, 3, 0.5, 1.0, capacity_waiting=3)
+    assert held_back(first, LoadSample(12, 3, 0.5, 1.5, capacity_waiting=3), 1.0)
+    assert not held_back(first, LoadSample(13, 3, 0.5, 1.5, capacity_waiting=3), 1.0)
+    assert not held_back(
+        LoadSample(12, 3, 0.5, 1.0), LoadSample(12, 3, 0.5, 1.5), 1.0
+    )  # an engine that does not say why it waits
 
 
 def test_goodput_counts_what_the_service_could_have_served() -> None:

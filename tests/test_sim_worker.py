@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.fleet.loadsignals import parse_load
+from app.fleet.loadsignals import held_back, parse_load
 from bench.sim_worker import Engine, EngineConfig, serve
 
 # Fast steps: 2 ms each, plus 0.5 ms a running sequence, plus 20 us a prefill token.
@@ -104,10 +104,17 @@ async def test_max_num_seqs_bounds_the_batch_and_the_page_says_why_requests_wait
         assert (load.running, load.waiting, load.capacity_waiting) == (2, 3, 3)
         assert 0 < load.kv_cache_usage < 0.01
         assert load.kv_tokens == FAST.num_gpu_blocks * FAST.block_size
+        await asyncio.sleep(0.1)  # steps run: the batch is still the two, the rest held back
+        later = parse_load((await client.get("/metrics")).text, 0.1)
+        assert held_back(load, later, 1.0)
+        assert later.generated is not None
+        assert load.generated is not None
+        assert later.generated > load.generated
         await asyncio.gather(*runs)
         page = (await client.get("/metrics")).text
     server.close()
     assert parse_load(page, 0.0).running == 0
+    assert parse_load(page, 0.0).generated == 5 * 10
     assert 'vllm:request_success_total{model_name="sim-llama-8b",engine="0",' in page
     assert "vllm:time_to_first_token_seconds_count" in page
     assert engine.free_blocks == FAST.num_gpu_blocks

@@ -288,7 +288,7 @@ class Limits:
     def saturated(self, worker: Worker, now: float) -> bool:
         """Whether ``worker`` says it is full (:meth:`app.fleet.workers.Worker.saturated`)."""
         s = self._settings
-        return worker.saturated(now, s.load_max_age_s, s.saturation_waiting, s.saturation_kv_cache)
+        return worker.saturated(now, s.load_max_age_s, s.saturation_kv_cache)
 
     def export(self, pool: WorkerPool) -> None:
         """Refresh each worker's limits and learnt latency model (before an export)."""

@@ -17,10 +17,11 @@ _WAITING = "vllm:num_requests_waiting"
 _WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 _KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, old name
 _CACHE_CONFIG = "vllm:cache_config_info"
+_GENERATED = "vllm:generation_tokens_total"
 _WANTED = re.compile(
     r"^(?:# (?:HELP|TYPE) )?vllm:(?:num_requests_running|num_requests_waiting|"
     r"num_requests_waiting_by_reason|kv_cache_usage_perc|gpu_cache_usage_perc|"
-    r"cache_config_info)\b.*$",
+    r"cache_config_info|generation_tokens(?:_total)?)\b.*$",
     re.MULTILINE,
 )
 
@@ -47,6 +48,9 @@ class LoadSample:
     prefix_caching: bool = True
     """False when the worker says its prefix caching is off (``cache_config_info``'s
     ``enable_prefix_caching``): then it reuses no prefix, whatever it was sent before."""
+    generated: float | None = None
+    """Tokens the worker has generated since it started (``vllm:generation_tokens_total``):
+    when it grew between two samples, the engine ran steps between them. None when absent."""
 
 
 def parse_load(text: str, at: float) -> LoadSample:
@@ -57,6 +61,7 @@ def parse_load(text: str, at: float) -> LoadSample:
     kv_tokens: float | None = None
     block_size: float | None = None
     prefix_caching = True
+    generated: float | None = None
     found = False
     for family in text_string_to_metric_families(wanted + "\n"):
         for sample in family.samples:
@@ -68,6 +73,8 @@ def parse_load(text: str, at: float) -> LoadSample:
             elif sample.name == _WAITING_BY_REASON:
                 if sample.labels.get("reason") == "capacity":
                     capacity = (capacity or 0.0) + sample.value
+            elif sample.name == _GENERATED:
+                generated = (generated or 0.0) + sample.value
             elif sample.name in _KV_CACHE:
                 kv = max(kv, sample.value)
             elif sample.name == _CACHE_CONFIG:
@@ -77,7 +84,32 @@ def parse_load(text: str, at: float) -> LoadSample:
                     prefix_caching = False
     if not found:
         raise ValueError(f"no {_RUNNING} on the page: not a vLLM worker?")
-    return LoadSample(running, waiting, kv, at, capacity, kv_tokens, block_size, prefix_caching)
+    return LoadSample(
+        running, waiting, kv, at, capacity, kv_tokens, block_size, prefix_caching, generated
+    )
+
+
+def held_back(before: LoadSample | None, now: LoadSample, waiting: float) -> bool:
+    """Whether the worker holds ``waiting`` or more requests back because it is full.
+
+    Not from one sample: vLLM counts as waiting every request its last schedule did not take,
+    and under async scheduling (the default on GPUs) the arrivals since that schedule too, so
+    a worker far from its cap shows a step's arrivals waiting, and one whose long prefill step
+    is still running shows them for as long as the step lasts. Taking such a page as the
+    worker's cap set its limit to the few it ran then (seen on simulated GPU workers at half
+    their capacity: limits of 256 cut to 1-3 within 4 s, and requests queued for seconds).
+    So: both samples show ``waiting`` or more held back for capacity, the engine ran between
+    them (its generated tokens grew, where the page says), and it runs no more than before (a
+    worker still taking requests in is not at its cap).
+    """
+    if before is None or now.at <= before.at:
+        return False
+    if now.capacity_waiting is None or before.capacity_waiting is None:
+        return False
+    if now.capacity_waiting < waiting or before.capacity_waiting < waiting:
+        return False
+    stepped = now.generated is None or before.generated is None or now.generated > before.generated
+    return stepped and now.running <= before.running
 
 
 def _kv_tokens(labels: dict[str, str]) -> float | None:

@@ -24,7 +24,7 @@ from app.api.outcome import LimitCut
 from app.fleet.discovery import Resolver, discover
 from app.fleet.gauges import WorkerGauges
 from app.fleet.limiter import ConcurrencyLimit, DecodePace
-from app.fleet.loadsignals import LoadSample, parse_load
+from app.fleet.loadsignals import LoadSample, held_back, parse_load
 from app.fleet.predictor import LatencyModel, RecentQuantile, WorkerLoad
 from app.fleet.prefix import PrefixIndex
 from app.fleet.probes import Prober
@@ -77,6 +77,9 @@ class Worker:
         self.ejected_until: float | None = None
         self.last_ejected: float | None = None
         self.load: LoadSample | None = None
+        self.held_back = False
+        """Whether its last two load samples say it holds requests back for capacity
+        (:func:`app.fleet.loadsignals.held_back`): it runs all it can."""
         self.latency = LatencyModel()
         self.limit = limit or ConcurrencyLimit(initial=256, maximum=256)
         """How many requests admission lets run here, steered by their measured TPOT."""
@@ -243,17 +246,27 @@ class Worker:
         """The fleet's other processes' requests here per tier; empty when the reading is stale."""
         return self.fleet_tiers if now <= self.fleet_until else {}
 
-    def saturated(self, now: float, max_age: float, waiting: float, kv_cache: float) -> bool:
+    def saturated(self, now: float, max_age: float, kv_cache: float) -> bool:
         """Whether the worker says it is full (fresh figures only).
 
-        ``waiting`` or more requests held back for capacity, or its KV cache at least
+        It holds requests back for capacity (``held_back``), or its KV cache is at least
         ``kv_cache`` used.
         """
         sample = self.load
         if sample is None or now - sample.at > max_age:
             return False
-        held = sample.capacity_waiting
-        return (held is not None and held >= waiting) or sample.kv_cache_usage >= kv_cache
+        return self.held_back or sample.kv_cache_usage >= kv_cache
+
+    def saw_load(self, sample: LoadSample, own: int, waiting: float) -> bool:
+        """Take ``sample`` as its load, ``own`` being this process's requests in it.
+
+        Returns whether it now holds ``waiting`` or more requests back for capacity
+        (:func:`app.fleet.loadsignals.held_back`, from this sample and the one before).
+        """
+        self.held_back = held_back(self.load, sample, waiting)
+        self.load = sample
+        self.own_at_scrape = own
+        return self.held_back
 
     def kv_fit(self) -> float:
         """How many requests of the typical size (prompt + answer) the KV cache holds."""
@@ -502,11 +515,10 @@ class WorkerPool:
             sample = parse_load(response.text, self._clock())
         except (httpx.HTTPError, ValueError):
             return  # the sample ages and counts as busy; health is the probe's business
-        worker.load = sample
-        worker.own_at_scrape = min(own, worker.in_flight)
-        held = sample.capacity_waiting
+        saturated = worker.saw_load(
+            sample, min(own, worker.in_flight), self.settings.saturation_waiting
+        )
         # A worker that runs all it can and queues the rest: its limit is what it runs.
-        saturated = held is not None and held >= self.settings.saturation_waiting
         if saturated and worker.limit.hold(sample.running, sample.at):
             self._metrics.limit_cut(worker.label, LimitCut.WORKER_QUEUEING)
         self._metrics.record_load(
