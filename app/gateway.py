@@ -163,9 +163,10 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
     try:
         await pool.start(first_wait=settings.connect_timeout_s)
         if shared is not None:
-            admission.demand.fleet = shared.arrivals
-            await shared.sync(pool, admission.demand)  # shared from the first request on
-            shared.start(pool, admission.demand)
+            admission.demand.fleet = admission.shares.fleet = shared.arrivals
+            # Shared from the first request on.
+            await shared.sync(pool, admission.demand, admission.shares)
+            shared.start(pool, admission.demand, admission.shares)
         if metrics.multiprocess:
             # Gauges refreshed at export time are refreshed by the process that answers
             # /metrics only: every process refreshes its own, for the merge to read.

@@ -24,6 +24,7 @@ from app.api.protocol import (
     Endpoint,
     ParsedRequest,
     endpoint_fields,
+    fairness_id,
     parse_form,
     parse_request,
     slo_targets,
@@ -81,7 +82,9 @@ async def _relay(
     tier = state.settings.default_tier
     try:
         identity = state.auth.identify(
-            request.headers.get("authorization"), request.headers.get(state.settings.tier_header)
+            request.headers.get("authorization"),
+            request.headers.get(state.settings.tier_header),
+            fairness_id(request.headers.get),
         )
         tier = identity.tier.name
         targets = NO_TARGETS
@@ -122,6 +125,8 @@ async def _relay(
         timer.arrival,
         parsed.max_tokens,
         own_ttft=targets.ttft_s is not None,
+        fairness=identity.fairness,
+        weight=identity.weight,
     )
     scope = request.scope
     ctx = RequestContext(

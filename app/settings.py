@@ -153,6 +153,14 @@ class ApiKeySpec(BaseModel):
     tier: str = "standard"
     max_concurrency: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
+    weight: float = Field(
+        default=1.0, gt=0, le=1000, description="Its share of its tier when requests wait."
+    )
+    sets_fairness_id: bool = Field(
+        default=False,
+        description="May send x-gateway-fairness-id (or llm-d's x-llm-d-inference-fairness-id) "
+        "to share its tier as several users (a platform serving its own tenants).",
+    )
 
 
 def strictest_tpot_s(tiers: Iterable[TierSpec]) -> float | None:

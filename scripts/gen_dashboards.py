@@ -670,6 +670,20 @@ def overview() -> Json:
         ),
         panel(
             "timeseries",
+            "Fair share within a tier",
+            "Under saturation, freed slots go round a tier's fairness ids (API keys, or ids a "
+            "key may set) by weight: how many ids wait per tier, and the share of the tier's "
+            "running requests held by the waiting id holding most (0-1; near 1 while one id "
+            "floods and others wait).",
+            refs(
+                [
+                    (f"max by (tier) (gateway_fairness_waiting_ids{{{T}}})", "{{tier}} ids"),
+                    (f"max by (tier) (gateway_fairness_top_share{{{T}}})", "{{tier}} top share"),
+                ]
+            ),
+        ),
+        panel(
+            "timeseries",
             "TTFT prediction error",
             "|actual - predicted| time to first token, the error of the predictor routing ranks "
             "workers by: p50, p95, p99 per tier.",

@@ -20,9 +20,12 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from app.admission.auth import Authenticator, Identity
 from app.admission.demand import TierDemand
+from app.admission.fairshare import FairShare
 from app.admission.shared import SharedState
+from app.admission.ticket import Ticket
 from app.api.errors import RateLimited
 from app.fleet.discovery import LoopResolver
+from app.fleet.routing import NO_KEY
 from app.fleet.workers import WorkerPool
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import default_clock
@@ -48,6 +51,7 @@ class Process:
     pool: WorkerPool
     demand: TierDemand
     gauge: Gauge
+    shares: FairShare
 
     @property
     def me(self) -> Identity:
@@ -59,7 +63,7 @@ class Process:
         return float(metric.samples[0].value)
 
     async def sync(self) -> None:
-        await self.shared.sync(self.pool, self.demand)
+        await self.shared.sync(self.pool, self.demand, self.shares)
 
 
 @pytest.fixture
@@ -76,7 +80,9 @@ async def processes(redis_server: RedisServer) -> AsyncIterator[list[Process]]:
         demand = TierDemand(default_clock, None)
         demand.fleet = shared.arrivals
         auth = Authenticator(settings, default_clock, shared)
-        process = Process(shared, auth, pool, demand, gauge)
+        shares = FairShare()
+        shares.fleet = shared.arrivals
+        process = Process(shared, auth, pool, demand, gauge, shares)
         made.append(process)
     for process in made * 2:  # the second round: each knows of all three
         await process.sync()
@@ -276,3 +282,28 @@ async def test_requests_queued_elsewhere_are_read_per_model_and_tier(
     await b.sync()
     assert b.demand.queued_elsewhere("m", tiers["batch"], default_clock()) == 0
     assert a.demand.queued_elsewhere("m", tiers["batch"], now + 1.0) == 0
+
+
+async def test_every_process_weighs_the_fleets_running_requests_per_fairness_id(
+    processes: list[Process],
+) -> None:
+    a, b, _ = processes
+    tier = next(t for t in _settings().tiers if t.name == "standard")
+    flood = [Ticket(tier, "m", 10, NO_KEY, 0.0, fairness="flood") for _ in range(3)]
+    light = Ticket(tier, "m", 10, NO_KEY, 0.0, fairness="light")
+    for ticket in flood:
+        a.shares.started(ticket)
+    await a.sync()
+    await b.sync()
+    now = default_clock()
+    assert b.shares.usage(tier.priority, "flood", now) == 3
+    # In b, whose own queue holds one of each, the light id goes first, whatever the deadlines.
+    queued = [Ticket(tier, "m", 10, NO_KEY, 0.0, fairness="flood", deadline=1.0), light]
+    light.deadline = 2.0
+    assert [t.fairness for t in b.shares.order(queued, now)] == ["light", "flood"]
+    # Two of a's end: published at the next sync.
+    for ticket in flood[:2]:
+        a.shares.ended(ticket)
+    await a.sync()
+    await b.sync()
+    assert b.shares.usage(tier.priority, "flood", default_clock()) == 1

@@ -94,6 +94,10 @@ class Identity:
 
     key: KeyState | None
     tier: TierSpec
+    fairness: str = ""
+    """Whose share of the tier it runs in (:mod:`app.admission.fairshare`)."""
+    weight: float = 1.0
+    """That share's weight."""
 
 
 def _keys_file(path: Path) -> list[ApiKeySpec]:
@@ -154,8 +158,15 @@ class Authenticator:
                 self._default.name,
             )
 
-    def identify(self, authorization: str | None, asked_tier: str | None) -> Identity:
-        """The caller and tier; raises 401 for a missing/unknown key, 403 for a higher tier."""
+    def identify(
+        self, authorization: str | None, asked_tier: str | None, fairness: str | None = None
+    ) -> Identity:
+        """The caller and tier; raises 401 for a missing/unknown key, 403 for a higher tier.
+
+        Its fairness id is the key's name, or ``fairness`` (a header's) when the key may set
+        one (``sets_fairness_id``) or keys are off; a key that may not has it ignored, so a
+        client cannot mint fresh shares. A key's weight goes with every id it sets.
+        """
         key: KeyState | None = None
         tier = self._default
         if self._keys:
@@ -180,7 +191,11 @@ class Authenticator:
                     param="x-gateway-tier",
                 )
             tier = wanted
-        return Identity(key, tier)
+        if key is None:
+            return Identity(None, tier, fairness or "")
+        if fairness is None or not key.spec.sets_fairness_id:
+            fairness = key.name
+        return Identity(key, tier, fairness, key.spec.weight)
 
     async def acquire(self, identity: Identity, estimated_tokens: float) -> None:
         """Take one concurrency slot and the estimated tokens; raise 429 when over a limit.

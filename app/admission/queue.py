@@ -28,6 +28,7 @@ import logging
 
 from app.admission.demand import TierDemand
 from app.admission.drain import DrainRate
+from app.admission.fairshare import FairShare
 from app.admission.limits import Limits
 from app.admission.placement import Placement
 from app.admission.room import Room
@@ -70,6 +71,8 @@ class AdmissionController:
         self.drain = DrainRate()
         self.placer = Placement(router, self.room)
         """Where a request can run now."""
+        self.shares = FairShare()
+        """Who of a tier goes next when its requests wait (:mod:`app.admission.fairshare`)."""
 
     @property
     def limits(self) -> Limits:
@@ -118,6 +121,7 @@ class AdmissionController:
                 if room is not None:
                     self._decide(ticket.tier, Decision.ADMITTED)
                     self.demand.waited(ticket.tier.priority, 0.0)
+                    self.shares.started(ticket)
                     return self.lease(room, ticket), 0.0
             margin = self.placer.start_margin(ticket, fastest, now, workers)
         except UpstreamUnavailable:
@@ -158,6 +162,7 @@ class AdmissionController:
             elif future.done() and not future.cancelled() and future.exception() is None:
                 # Dispatched, but its request was cancelled before it could run: give back.
                 future.result().release(self._clock())
+                self.finished(ticket)
             self.poke()
             raise
         waited = self._clock() - now
@@ -192,6 +197,10 @@ class AdmissionController:
             )
         return True
 
+    def finished(self, ticket: Ticket) -> None:
+        """An admitted ``ticket``'s request ended: its fairness id runs one fewer."""
+        self.shares.ended(ticket)
+
     # Dispatch -----------------------------------------------------------------------------
 
     def poke(self) -> None:
@@ -215,44 +224,51 @@ class AdmissionController:
     def dispatch(self) -> None:
         """One pass over the queue, now; :meth:`poke` schedules it and the ticker runs it.
 
-        Expired requests leave with 503, and each queued one, highest tier and earliest
-        deadline first, goes to a worker with room. Nobody overtakes a blocked request of its
-        own model.
+        Expired requests leave with 503, and each queued one, highest tier first, goes to a
+        worker with room; within a tier in the fair order of :mod:`app.admission.fairshare`.
+        Nobody overtakes a blocked request of its own model.
         """
         self._poked = False
         now = self._clock()
         blocked: set[str] = set()
-        for ticket in list(self._queue):
-            future = ticket.future
-            if future is None or future.done():
-                self._remove(ticket)
-                continue
-            if ticket.deadline <= now:
-                self._remove(ticket)
-                self._decide(ticket.tier, Decision.EXPIRED, Reason.QUEUE_TIMEOUT)
-                self.demand.waited(ticket.tier.priority, now - ticket.arrival)
-                future.set_exception(
-                    QueueTimeout(
-                        f"The request waited {now - ticket.arrival:.2f} s in the '"
-                        f"{ticket.tier.name}' queue without capacity to meet its SLO.",
-                        self.retry_after(ticket),
-                    )
-                )
-                continue
-            # Strict priority within a model: nobody overtakes a blocked request of its model.
-            if ticket.model in blocked or self.demand.yields(ticket.tier, now):
-                continue
-            try:
-                choice = self.placer.choose(ticket, now)
-            except GatewayError:
-                choice = None  # no healthy worker right now: wait for one until the deadline
-            if choice is None:
-                blocked.add(ticket.model)
-                continue
+        for tier in _tier_runs(self._queue):
+            for ticket in self.shares.order(tier, now):
+                self._offer(ticket, now, blocked)
+        self.shares.export(self._metrics, self._settings.tiers)
+
+    def _offer(self, ticket: Ticket, now: float, blocked: set[str]) -> None:
+        """Expire ``ticket``, or admit it where there is room, or mark its model blocked."""
+        future = ticket.future
+        if future is None or future.done():
             self._remove(ticket)
-            # The lease takes the slot now, so the next request in this same pass sees it.
-            self._decide(ticket.tier, Decision.ADMITTED)
-            future.set_result(self.lease(choice, ticket))
+            return
+        if ticket.deadline <= now:
+            self._remove(ticket)
+            self._decide(ticket.tier, Decision.EXPIRED, Reason.QUEUE_TIMEOUT)
+            self.demand.waited(ticket.tier.priority, now - ticket.arrival)
+            future.set_exception(
+                QueueTimeout(
+                    f"The request waited {now - ticket.arrival:.2f} s in the '"
+                    f"{ticket.tier.name}' queue without capacity to meet its SLO.",
+                    self.retry_after(ticket),
+                )
+            )
+            return
+        # Strict priority within a model: nobody overtakes a blocked request of its model.
+        if ticket.model in blocked or self.demand.yields(ticket.tier, now):
+            return
+        try:
+            choice = self.placer.choose(ticket, now)
+        except GatewayError:
+            choice = None  # no healthy worker right now: wait for one until the deadline
+        if choice is None:
+            blocked.add(ticket.model)
+            return
+        self._remove(ticket)
+        # The lease takes the slot now, so the next request in this same pass sees it.
+        self._decide(ticket.tier, Decision.ADMITTED)
+        self.shares.started(ticket)
+        future.set_result(self.lease(choice, ticket))
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
@@ -278,6 +294,7 @@ class AdmissionController:
         self._keys.insert(index, ticket.key)
         self._queue.insert(index, ticket)
         self.demand.queued[(ticket.model, ticket.tier.priority)] += 1
+        self.shares.enqueued(ticket, 1)
         self._metrics.queue_depth.labels(ticket.tier.name).inc()
         if len(self._queue) == 1:
             self.drain.backlogged(True, self._clock())
@@ -287,9 +304,11 @@ class AdmissionController:
         del self._queue[index]
         del self._keys[index]
         self.demand.queued[(ticket.model, ticket.tier.priority)] -= 1
+        self.shares.enqueued(ticket, -1)
         self._metrics.queue_depth.labels(ticket.tier.name).dec()
         if not self._queue:
             self.drain.backlogged(False, self._clock())
+            self.shares.export(self._metrics, self._settings.tiers)
 
     def _decide(
         self,
@@ -304,9 +323,15 @@ class AdmissionController:
             self.demand.short(tier.priority, self._clock())
 
     def _ahead(self, ticket: Ticket) -> int:
-        """Queued requests that go before ``ticket`` (its tier and higher), plus itself."""
+        """Queued requests that go before ``ticket`` (higher tiers, its tier's turns), plus itself.
+
+        Within its tier, slots go round the fairness ids waiting
+        (:meth:`app.admission.fairshare.FairShare.ahead`): a light id's request does not wait for
+        a flooding one's whole queue.
+        """
         priority = ticket.tier.priority
-        return 1 + sum(n for (_, p), n in self.demand.queued.items() if p <= priority)
+        higher = sum(n for (_, p), n in self.demand.queued.items() if p < priority)
+        return 1 + higher + self.shares.ahead(ticket)
 
     def _expected_wait(self, ticket: Ticket, now: float) -> float:
         """Seconds until the requests queued ahead of ``ticket``, and then it, get a slot.
@@ -322,6 +347,17 @@ class AdmissionController:
         if rate <= 0:
             return min(_MAX_RETRY_AFTER_S, ticket.tier.max_queue_wait_s)
         return min(_MAX_RETRY_AFTER_S, max(0.1, self._ahead(ticket) / rate))
+
+
+def _tier_runs(queue: list[Ticket]) -> list[list[Ticket]]:
+    """``queue`` cut into its tiers' runs (it is ordered by tier priority first)."""
+    runs: list[list[Ticket]] = []
+    for ticket in queue:
+        if runs and runs[-1][0].tier.priority == ticket.tier.priority:
+            runs[-1].append(ticket)
+        else:
+            runs.append([ticket])
+    return runs
 
 
 def _whose(ticket: Ticket) -> str:

@@ -19,6 +19,9 @@ Three things hold fleet-wide instead of per process:
   :class:`app.admission.demand.TierDemand` through :class:`FleetArrivals`: the capacity kept for a
   higher tier is kept for the arrivals of the whole fleet, and a lower tier leaves the next slots of
   a worker to the higher tiers' requests queued in other processes, as it would in one queue.
+* **each tier's running requests per fairness id** (the ids with the most, bounded), read by
+  :class:`app.admission.fairshare.FairShare` through :class:`FleetArrivals`: a queue hands slots
+  out by the fleet's shares, not its own process's.
 
 Nothing here is on a request's path but the key check, and only for keys with a limit. Redis
 down, slow or restarted never costs a request: every call has the timeout budget, and the
@@ -50,6 +53,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from app.admission.demand import ArrivalCounts, TierDemand
+from app.admission.fairshare import FairShare
 from app.fleet.workers import WorkerPool
 from app.observe.timing import Clock
 
@@ -189,12 +193,13 @@ class Verdict:
 
 
 class FleetArrivals(ArrivalCounts):
-    """Other processes' recent arrivals per tier, as last read from Redis."""
+    """Other processes' recent arrivals, queued and running requests, as last read from Redis."""
 
     def __init__(self) -> None:
         self._counts: dict[float, Counter[int]] = {}
         self._oldest = 0.0
         self._queued: dict[str, Counter[int]] = {}
+        self._running: dict[int, Counter[str]] = {}
         self._until = -math.inf
 
     def update(
@@ -204,12 +209,20 @@ class FleetArrivals(ArrivalCounts):
         now: float,
         fresh_s: float,
         queued: dict[str, Counter[int]],
+        running: dict[int, Counter[str]] | None = None,
     ) -> None:
         """Take a new reading at ``now``, good for ``fresh_s``."""
         self._counts = counts
         self._oldest = oldest_age
         self._queued = queued
+        self._running = running or {}
         self._until = now + fresh_s
+
+    def running(self, priority: int, now: float) -> Mapping[str, int]:
+        """Requests running elsewhere per fairness id in a tier; empty when stale."""
+        if now > self._until:
+            return {}
+        return self._running.get(priority, {})
 
     def counts(self, span_s: float, now: float) -> Mapping[int, int]:
         """Arrivals per tier priority elsewhere over the last ``span_s``; empty when stale."""
@@ -371,21 +384,23 @@ class SharedState:
 
     # The sync ---------------------------------------------------------------------------------
 
-    def start(self, pool: WorkerPool, demand: TierDemand) -> None:
+    def start(self, pool: WorkerPool, demand: TierDemand, shares: FairShare | None = None) -> None:
         """Publish and read the fleet's state every interval until :meth:`stop`."""
         self._task = asyncio.get_running_loop().create_task(
-            self._run(pool, demand), name="shared-state"
+            self._run(pool, demand, shares), name="shared-state"
         )
 
-    async def _run(self, pool: WorkerPool, demand: TierDemand) -> None:
+    async def _run(self, pool: WorkerPool, demand: TierDemand, shares: FairShare | None) -> None:
         while True:
             try:
-                await self.sync(pool, demand)
+                await self.sync(pool, demand, shares)
             except Exception:  # a background job must survive anything one round throws
                 log.exception("shared state: sync failed; retrying next round")
             await asyncio.sleep(self._interval)
 
-    async def sync(self, pool: WorkerPool, demand: TierDemand) -> None:
+    async def sync(
+        self, pool: WorkerPool, demand: TierDemand, shares: FairShare | None = None
+    ) -> None:
         """One round: publish this process's state, read the others', republish key counts."""
         now = self._clock()
         counts, oldest = demand.local_counts(now)
@@ -403,6 +418,8 @@ class SharedState:
                 for model, by_tier in demand.local_queued().items()
             },
         }
+        if shares is not None and (running := shares.local_running()):
+            state["f"] = {str(p): ids for p, ids in running.items()}
         # Every key with requests here, and every key whose count changed since the last
         # round: a refused acquisition, a lost release, a restarted Redis are all mended here.
         refreshed = [h for h, count in self._keys.items() if count()[0] or h in self._dirty]
@@ -430,6 +447,7 @@ class SharedState:
         tiers: dict[str, Counter[str]] = {}
         spans: dict[float, Counter[int]] = {}
         queued: dict[str, Counter[int]] = {}
+        running: dict[int, Counter[str]] = {}
         oldest = 0.0
         for raw in reply[1:]:
             published, _, text = raw.partition(b"|")
@@ -449,13 +467,16 @@ class SharedState:
                 for model, counts in state.get("q", {}).items():
                     into = queued.setdefault(str(model), Counter())
                     into.update({int(p): int(n) for p, n in counts.items()})
+                for priority, ids in state.get("f", {}).items():
+                    by_id = running.setdefault(int(priority), Counter())
+                    by_id.update({str(fid): int(n) for fid, n in ids.items()})
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a state this version cannot read: leave it out
         self.processes = len(reply)  # the others' states, and this one's
         fresh = _STALE_SYNCS * self._interval
         for label, worker in pool.workers.items():
             worker.set_fleet_others(float(workers.get(label, 0)), now, fresh, tiers.get(label, {}))
-        self.arrivals.update(spans, oldest, now, fresh, queued)
+        self.arrivals.update(spans, oldest, now, fresh, queued, running)
 
     async def stop(self) -> None:
         """Stop the sync and close the connections."""

@@ -416,6 +416,9 @@ SLO_TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 """Headers carrying a request's own TTFT target in milliseconds (llm-d's name first)."""
 SLO_TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
 """Headers carrying a request's own TPOT target in milliseconds (llm-d's name first)."""
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-fairness-id")
+"""Headers naming whose share of its tier a request runs in (llm-d's name first)."""
+_FAIRNESS_ID = re.compile(r"[!-~]{1,128}")
 _MS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,6})?")
 _MAX_TARGET_MS = 3_600_000.0  # an hour: beyond it a target is no target
 
@@ -457,6 +460,28 @@ def _target(header: Callable[[str], str | None], names: tuple[str, ...]) -> floa
                 code="invalid_header_value",
             )
         return ms / 1000.0
+    return None
+
+
+def fairness_id(header: Callable[[str], str | None]) -> str | None:
+    """The fairness id a request sent (:data:`FAIRNESS_HEADERS`), or None.
+
+    1 to 128 visible ASCII characters; anything else is an :class:`InvalidRequest` naming the
+    header. Whether the caller may set one is the authenticator's business.
+    """
+    for name in FAIRNESS_HEADERS:
+        value = header(name)
+        if value is None:
+            continue
+        text = value.strip()
+        if not _FAIRNESS_ID.fullmatch(text):
+            raise InvalidRequest(
+                f"Invalid value for header '{name}': a fairness id is 1 to 128 visible ASCII "
+                "characters.",
+                param=name,
+                code="invalid_header_value",
+            )
+        return text
     return None
 
 

@@ -492,6 +492,27 @@ METRICS: tuple[MetricSpec, ...] = (
         doc="requests waiting in the admission queue",
     ),
     MetricSpec(
+        "fairness_waiting_ids",
+        "gauge",
+        "gateway_fairness_waiting_ids",
+        "Fairness ids (API keys, or the ids keys may set) with requests waiting in the queue.",
+        ("tier",),
+        multiprocess_mode="livemax",
+        doc="fairness ids with requests waiting, per tier (queued requests share the slots "
+        "that come free between them)",
+    ),
+    MetricSpec(
+        "fairness_top_share",
+        "gauge",
+        "gateway_fairness_top_share",
+        "Of the tier's running requests, the share of the waiting fairness id that holds most.",
+        ("tier",),
+        multiprocess_mode="livemax",
+        doc="0-1: the most of a tier's running requests one id with requests waiting holds "
+        "(near 1 while one id floods and others wait: fair share is handing slots to the "
+        "others)",
+    ),
+    MetricSpec(
         "queue_wait",
         "histogram",
         "gateway_queue_wait_seconds",
@@ -978,6 +999,8 @@ class GatewayMetrics:
     admission_decisions: Counter
     saturated: Counter
     queue_depth: Gauge
+    fairness_waiting_ids: Gauge
+    fairness_top_share: Gauge
     queue_wait: Histogram
     prediction_error: Histogram
     slo_requests: Counter
@@ -1038,6 +1061,8 @@ class GatewayMetrics:
             # Exported at zero from the start: rate() counts only increases between scrapes, so
             # a series that first appears with its first burst of events shows no rate for it.
             self.queue_depth.labels(tier.name).set(0)
+            self.fairness_waiting_ids.labels(tier.name).set(0)
+            self.fairness_top_share.labels(tier.name).set(0)
             self.queue_wait.labels(tier.name)
             self.prediction_error.labels(tier.name)
             for decision, reasons in DECISION_REASONS.items():

@@ -233,6 +233,14 @@ class Relay:
         except GatewayError as error:
             await self._fail(answer, error, None)
             return
+        try:
+            await self._attempts_on(answer, lease)
+        finally:
+            deps.admission.finished(ticket)  # its fairness id runs one fewer
+
+    async def _attempts_on(self, answer: Answer, lease: Lease) -> None:
+        """Try ``lease``'s worker, then others until one answers (failover before a byte)."""
+        deps, ticket = self._deps, self._ctx.ticket
         self._timer.queued(answer.queued_s)
         tried = {lease.worker.label}
         once = self._attempts.stream if self._request.stream else self._attempts.unary

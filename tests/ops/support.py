@@ -70,6 +70,8 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_prefix_index_blocks": _WORKER,
     "gateway_prefix_index_bytes": (),
     "gateway_queue_depth": ("tier",),
+    "gateway_fairness_waiting_ids": ("tier",),
+    "gateway_fairness_top_share": ("tier",),
     "gateway_goodput_ratio": ("tier",),
     "gateway_tier_slo_ttft_seconds": ("tier",),
     "gateway_slo_objective": ("tier",),
