@@ -10,7 +10,7 @@ WORKER_PORT ?= 8100
 # pip's download cache stays inside the clone too (gitignored), not in ~/.cache.
 export PIP_CACHE_DIR ?= $(CURDIR)/.run/cache/pip
 
-.PHONY: help install worker ops-tools redis router run test lint typecheck unit bench bench-routing bench-admission clean
+.PHONY: help install worker ops-tools redis router run test lint typecheck unit bench bench-routing bench-admission bench-fairness clean
 
 help:
 	@echo "make run    - start a vLLM CPU worker and the gateway in front of it (port $(GATEWAY_PORT))"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench-routing   - the routing policies compared on two real workers"
 	@echo "make bench-admission - admission on vs off from 0.25x to 3x capacity (real workers;"
 	@echo "                       ARGS=\"--engine sim\": four simulated GPU-scale ones)"
+	@echo "make bench-fairness  - keys of one tier sharing a saturated worker (fake worker)"
 	@echo "make unit   - the tests that need no vLLM worker"
 
 $(STAMP): pyproject.toml
@@ -66,6 +67,9 @@ bench-routing: install worker
 
 bench-admission: install worker
 	$(BIN)/python -m bench.admission $(ARGS)
+
+bench-fairness: install
+	$(BIN)/python -m bench.fairness $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-worker .venv-ops .venv-router .run .mypy_cache .ruff_cache .pytest_cache

@@ -125,7 +125,7 @@ async def _relay(
         timer.arrival,
         parsed.max_tokens,
         own_ttft=targets.ttft_s is not None,
-        fairness=identity.fairness,
+        fairness=identity.fairness if state.settings.fair_share else "",
         weight=identity.weight,
     )
     scope = request.scope

@@ -347,6 +347,11 @@ class Settings(BaseSettings):
     admission: bool = Field(
         default=True, description="SLO-aware admission; false relays everything at once."
     )
+    fair_share: bool = Field(
+        default=True,
+        description="When a tier's requests wait, hand freed slots to its keys (fairness ids) "
+        "in turn by weight; false: earliest deadline first, whoever sent it.",
+    )
     worker_priority: bool = Field(
         default=True,
         description="Send each request's tier to the worker as vLLM's `priority` (the default "

@@ -3,11 +3,11 @@
 A fairness id is the API key's name by default, or what a key allowed to set it sends in
 ``x-gateway-fairness-id`` (llm-d: ``x-llm-d-inference-fairness-id``). Nothing changes while
 requests are admitted at once: only the order in which a tier's queued requests take the slots
-that come free. The next slot goes to the id whose requests running in the tier, over its
-weight, are fewest; between ids at equal share, and among one id's own requests, the earliest
-deadline goes first. So an id that floods waits behind one that sends a request now and then,
-which the one priority queue ordered by deadline alone did not do: there the light user
-waited as long as the flooder (1.9 s at p50 against 1.8 s, a fake worker with 8 slots and
+that come free. The next slot goes to the id whose requests running in the tier, with this
+one, over its weight, are fewest; between ids at equal share, and among one id's own requests,
+the earliest deadline goes first. So an id that floods waits behind one that sends a request
+now and then, which the one priority queue ordered by deadline alone did not do: there the light
+user waited as long as the flooder (1.9 s at p50 against 1.8 s, a fake worker with 8 slots and
 keys sending 48 and 4 streams).
 
 The count of an id's running requests is this process's, plus what the fleet's other
@@ -18,6 +18,7 @@ the shares of the whole fleet; with Redis away, each gives them by its own.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
@@ -40,13 +41,15 @@ class FleetUsage(Protocol):
 class FairShare:
     """Running and queued requests per tier and fairness id; the fair order of a tier's queue."""
 
-    __slots__ = ("fleet", "queued", "running")
+    __slots__ = ("fleet", "queued", "running", "weights")
 
     def __init__(self) -> None:
         self.running: defaultdict[int, Counter[str]] = defaultdict(Counter)
         """Per tier priority, this process's admitted requests per id that have not ended."""
         self.queued: defaultdict[int, Counter[str]] = defaultdict(Counter)
         """Per tier priority, this process's queued requests per id."""
+        self.weights: dict[str, float] = {}
+        """The weight of each id with requests queued."""
         self.fleet: FleetUsage | None = None
 
     def started(self, ticket: Ticket) -> None:
@@ -68,8 +71,11 @@ class FairShare:
         """``ticket`` joined (+1) or left (-1) the queue."""
         counts = self.queued[ticket.tier.priority]
         counts[ticket.fairness] += delta
+        self.weights[ticket.fairness] = ticket.weight
         if counts[ticket.fairness] <= 0:
             del counts[ticket.fairness]
+            if not any(ticket.fairness in c for c in self.queued.values()):
+                del self.weights[ticket.fairness]
 
     def usage(self, priority: int, fairness: str, now: float) -> int:
         """Requests of ``fairness`` running in the tier, here and (as last read) elsewhere."""
@@ -81,12 +87,17 @@ class FairShare:
     def ahead(self, ticket: Ticket) -> int:
         """How many of its tier's queued requests go before ``ticket`` were it queued now.
 
-        Slots go round the waiting ids: each other id's requests, up to as many as this id
-        has queued plus this one, come first. One id alone: its whole queue.
+        The waiting ids take the slots in proportion to their weights, so its id's queue and it
+        leave at its weight's part of the drain: while the others' requests last, as many as
+        (its queued + 1) x the waiting ids' weights / its own go first, less itself. One id
+        alone: its whole queue.
         """
         queued = self.queued[ticket.tier.priority]
         mine = queued.get(ticket.fairness, 0)
-        return sum(min(n, mine + 1) for fid, n in queued.items() if fid != ticket.fairness) + mine
+        total = sum(queued.values())
+        weights = sum(self.weights.get(fid, 1.0) for fid in queued if fid != ticket.fairness)
+        turns = (mine + 1) * (weights + ticket.weight) / ticket.weight - 1
+        return min(total, math.ceil(turns - 1e-9))
 
     def order(self, tickets: Iterable[Ticket], now: float) -> Iterator[Ticket]:
         """One tier's queued ``tickets`` (in deadline order) in the order they take slots.
@@ -104,7 +115,10 @@ class FairShare:
 
         def push(fid: str, index: int) -> None:
             ticket = lines[fid][index]
-            share = self.usage(ticket.tier.priority, fid, now) / ticket.weight
+            # The share it would hold with this slot: by the share it holds now, an id of
+            # weight 1 running one tied with one of weight 10 running ten, won the tie by its
+            # older deadline and ran two (w1 had 5% of the slots against its 1.8%).
+            share = (self.usage(ticket.tier.priority, fid, now) + 1) / ticket.weight
             heapq.heappush(heap, (share, ticket.deadline, ticket.seq, fid, index))
 
         for fid in lines:
