@@ -645,3 +645,26 @@ async def test_a_slow_pace_window_cuts_only_when_the_streams_own_tpot_so_far_mis
     limits.paced(worker, 0.3, clock.now)
     assert _cuts(metrics, "decode_pace") == 1
     assert limits.cap(worker) == 5  # 10 running x 100 / 300 ms, at most halved
+
+
+def test_a_projection_lifts_a_limit_no_higher_than_the_worker_ran_while_holding_back() -> None:
+    limit = ConcurrencyLimit(initial=256, maximum=256, settle_s=5.0)
+    # The worker held requests back running 64 (its max_num_seqs): the limit is 64.
+    assert limit.hold(64, 0.0)
+    assert limit.limit == 64
+    # Streams well within the aim project 8x that; settled or not, 64 is what it runs.
+    limit.lift(512, 10.0)
+    assert limit.limit == 64
+    # One stream within the aim at the limit still adds one: the cap may have grown.
+    limit.on_result(0.1, 0.8, 1.0, 64, 11.0)
+    assert limit.limit == 65
+    # Holding back at 70 later: projections may lift to 70 (but not yet: held at 65 first).
+    assert not limit.hold(70, 12.0)
+    limit.lift(512, 20.0)
+    assert limit.limit == 70
+    # Reset (the evidence no longer holds): projections are bounded by the maximum only.
+    limit.reset()
+    assert limit.cut(100, 30.0)
+    assert limit.limit == 90
+    limit.lift(200, 40.0)
+    assert limit.limit == 200

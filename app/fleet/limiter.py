@@ -49,8 +49,8 @@ class ConcurrencyLimit:
     """Additive-increase / multiplicative-decrease limit on one worker's running requests."""
 
     __slots__ = (
-        "_cooldown", "_decrease", "_draining", "_initial", "_last_cut", "_settle", "maximum",
-        "measured", "minimum", "value",
+        "_cooldown", "_decrease", "_draining", "_held", "_initial", "_last_cut", "_settle",
+        "maximum", "measured", "minimum", "value",
     )  # fmt: skip
 
     def __init__(
@@ -70,6 +70,7 @@ class ConcurrencyLimit:
         self._settle = settle_s
         self._last_cut = -math.inf
         self._draining = False
+        self._held = math.inf
         self.measured = False
         """Whether a measurement lowered the limit: a miss, the live pace, the worker queueing."""
 
@@ -116,21 +117,29 @@ class ConcurrencyLimit:
         self.value = self._initial
         self._last_cut = -math.inf
         self._draining = False
+        self._held = math.inf
         self.measured = False
 
     def lift(self, to: float, now: float) -> None:
         """Raise the limit to ``to`` (within the maximum), unless cut in the last ``settle_s``.
 
-        A cut's evidence stands a while before a projection overrides it.
+        A cut's evidence stands a while before a projection overrides it. Never past what the
+        worker was last seen to run while holding requests back (:meth:`hold`): a projection
+        scales a TPOT within the aim to a batch the worker will not run (simulated workers of
+        64 sequences had their limits lifted from 64 to 256 five seconds after each hold, and
+        the excess waited in the workers' own queues, where no tier or deadline applies).
+        Growth by one request at a time (:meth:`on_result`) may still pass it.
         """
+        to = min(to, self._held)
         if to > self.value and now - self._last_cut >= self._settle:
             self.value = min(self.maximum, to)
 
     def hold(self, running: float, now: float) -> bool:
         """The worker runs ``running`` and holds the rest back: that is its limit now.
 
-        Returns whether the limit fell.
+        Returns whether the limit fell. Remembered as the most a projection lifts it to.
         """
+        self._held = running
         if running >= self.value:
             return False
         self.measured = True
