@@ -831,6 +831,7 @@ async def run(
             name = f"{load:g}x" + ("" if not k else f" seed {seed}" if seeded else f" #{k + 1}")
             result = await bench.compare(name, arrivals, args.duration, warmup)
             runs.append({**result, "load": load, "seed": seed, "offered_rps": load * capacity})
+            _so_far(runs, capacity)
     if not args.skip_extra:
         # Cold start: a fresh gateway's first traffic is a burst, all at once.
         burst_rng = random.Random(args.seed + 3)
@@ -841,6 +842,7 @@ async def run(
         ]
         result = await bench.compare(f"cold burst of {len(burst)}", burst, 1.0)
         runs.append({**result, "load": None, "offered_rps": float(len(burst))})
+        _so_far(runs, capacity)
         bursty: list[Arrival] = []
         at = 0.0
         for k, (span, load) in enumerate(BURSTY):
@@ -849,6 +851,7 @@ async def run(
             at += span
         result = await bench.compare("bursty 2x / 0.25x", bursty, at)
         runs.append({**result, "load": None, "offered_rps": len(bursty) / at})
+        _so_far(runs, capacity)
     if args.diurnal_window > 0:
         span = args.diurnal_window
         diurnal: list[Arrival] = []
@@ -866,6 +869,12 @@ async def run(
         "tiers": {name: tier.model_dump() for name, tier in TIERS.items()},
         "runs": runs,
     }
+
+
+def _so_far(runs: Sequence[Mapping[str, Any]], capacity: float) -> None:
+    """Write the runs done so far (``admission-partial.json``): a session cut short keeps them."""
+    brief = [{k: v for k, v in r.items() if k not in ("requests", "timeline")} for r in runs]
+    write_json("admission-partial", {"capacity_rps": capacity, "runs": brief})
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
