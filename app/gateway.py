@@ -171,7 +171,13 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
             # Gauges refreshed at export time are refreshed by the process that answers
             # /metrics only: every process refreshes its own, for the merge to read.
             exporter = asyncio.create_task(
-                _every(1.0, pool.export, lambda: limits.export(pool), goodput.export),
+                _every(
+                    1.0,
+                    pool.export,
+                    lambda: limits.export(pool),
+                    goodput.export,
+                    lambda: admission.shares.export(metrics, settings.tiers),
+                ),
                 name="metrics-export",
             )
         log.info(

@@ -193,7 +193,9 @@ async def metrics(request: Request) -> PlainTextResponse:
     """Prometheus exposition of the gateway's metrics."""
     state = get_state(request)
     state.pool.export()
-    state.relay_deps.admission.limits.export(state.pool)
+    admission = state.relay_deps.admission
+    admission.limits.export(state.pool)
+    admission.shares.export(state.metrics, state.settings.tiers)
     state.goodput.export()
     return PlainTextResponse(
         generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST

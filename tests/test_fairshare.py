@@ -216,7 +216,7 @@ async def test_the_fairness_gauges_count_waiting_ids_and_the_top_ones_share() ->
     await fleet.send("flood", 4)
     await fleet.send("flood", 2)
     await fleet.send("light", 1)
-    fleet.admission.dispatch()
+    fleet.admission.shares.export(fleet.metrics, fleet.settings.tiers)  # as /metrics does
     samples = {
         s.name: s.value
         for m in fleet.metrics.registry.collect()

@@ -234,7 +234,6 @@ class AdmissionController:
         for tier in _tier_runs(self._queue):
             for ticket in self.shares.order(tier, now):
                 self._offer(ticket, now, blocked)
-        self.shares.export(self._metrics, self._settings.tiers)
 
     def _offer(self, ticket: Ticket, now: float, blocked: set[str]) -> None:
         """Expire ``ticket``, or admit it where there is room, or mark its model blocked."""
@@ -308,7 +307,6 @@ class AdmissionController:
         self._metrics.queue_depth.labels(ticket.tier.name).dec()
         if not self._queue:
             self.drain.backlogged(False, self._clock())
-            self.shares.export(self._metrics, self._settings.tiers)
 
     def _decide(
         self,
