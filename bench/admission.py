@@ -484,6 +484,11 @@ def _reasons(row: Mapping[str, Any]) -> str:
     return f" ({', '.join(f'{code} {n}' for code, n in reasons)})" if reasons else ""
 
 
+def _pct(share: float | None) -> str:
+    """A share 0..1 as a percentage without its sign (``-`` when unknown)."""
+    return _fmt(None if share is None else 100 * share)
+
+
 def _fmt(value: Any, digits: int = 1) -> str:
     if value is None or value != value:  # None or NaN
         return "-"
@@ -499,10 +504,9 @@ def table(modes: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
     ]
     for mode, rows in modes.items():
         for tier, r in rows.items():
-            attainment = None if r["attainment"] is None else 100 * r["attainment"]
             lines.append(
                 f"| {mode} | {tier} | {r['sent']} | {_fmt(r['goodput_rps'], 2)} "
-                f"| {_fmt(attainment)}% | {_fmt(r['ttft_ms_p50'], 0)} / "
+                f"| {_pct(r['attainment'])}% | {_fmt(r['ttft_ms_p50'], 0)} / "
                 f"{_fmt(r['ttft_ms_p99'], 0)} | {_fmt(r['tpot_ms_p50'])} / "
                 f"{_fmt(r['tpot_ms_p99'])} | {r['queued']} | {_fmt(r['queue_ms_p99'])} "
                 f"| {_fmt(r['rejected_pct'])}% | {r['other_errors']} "
@@ -528,8 +532,8 @@ def sweep_table(runs: Sequence[Mapping[str, Any]]) -> str:
             f"| {_fmt(_ratio(run), 2)}x | {on['all']['rejected']}{_reasons(on['all'])} / "
             f"{off['all']['rejected']} "
             f"| {on['all']['queued']} ({_fmt(on['all']['queue_ms_p99'])}) "
-            f"| {_fmt(None if a_on is None else 100 * a_on)}% / "
-            f"{_fmt(None if a_off is None else 100 * a_off)}% "
+            f"| {_pct(a_on)}% / "
+            f"{_pct(a_off)}% "
             f"| {_fmt(on['interactive']['ttft_ms_p99'], 0)} / "
             f"{_fmt(off['interactive']['ttft_ms_p99'], 0)} "
             f"| {on['all']['lost'] + off['all']['lost']} |"
@@ -670,8 +674,8 @@ def windows_table(windows: Sequence[Mapping[str, Any]]) -> str:
             f"| {w['load']:g} | {on['all']['sent']} "
             f"| {_fmt(on['all']['goodput_rps'], 2)} / {_fmt(off['all']['goodput_rps'], 2)} "
             f"| {on['all']['rejected']} / {off['all']['rejected']} "
-            f"| {_fmt(None if a_on is None else 100 * a_on)}% / "
-            f"{_fmt(None if a_off is None else 100 * a_off)}% "
+            f"| {_pct(a_on)}% / "
+            f"{_pct(a_off)}% "
             f"| {_fmt(on['all']['queue_ms_p99'])} | {'yes' if w['drained'] else 'no'} |"
         )
     return "\n".join(lines)
