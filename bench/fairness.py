@@ -39,7 +39,7 @@ import httpx
 
 from app.settings import DEFAULT_TIERS
 from bench.live import running_gateway
-from bench.overhead import free_port, percentile
+from bench.overhead import free_port, http_status, percentile
 from scripts.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,14 +73,10 @@ def fake_worker(ttft_ms: float = 20.0) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"{url}/v1/models", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("the fake worker did not start") from None
-                time.sleep(0.1)
+        while http_status(f"{url}/v1/models") != 200:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError("the fake worker did not start")
+            time.sleep(0.1)
         yield url
     finally:
         stop_process(process, grace=5)
