@@ -1,4 +1,4 @@
-"""The relay's idle deadline: moved on every event for the cost of a float store."""
+"""The relay's idle deadline: moved on every event for the cost of a float store, or none."""
 
 from __future__ import annotations
 
@@ -35,6 +35,41 @@ async def test_moving_the_deadline_later_keeps_the_block_alive_until_the_new_one
         await five_events_then_silence()
     # Five events 30 ms apart, then 50 ms of silence: ~200 ms, far past the first deadline.
     assert loop.time() - start >= 0.18
+
+
+async def test_a_renewed_deadline_follows_the_events_without_being_moved() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    last_event = start
+
+    async def five_events_then_silence() -> None:
+        nonlocal last_event
+        async with Deadline(start + 0.05) as deadline:
+            deadline.renew = lambda: last_event + 0.05  # asked only when the timer fires
+            for _ in range(5):
+                await asyncio.sleep(0.03)
+                last_event = loop.time()
+            await asyncio.sleep(1)
+
+    with pytest.raises(TimeoutError):
+        await five_events_then_silence()
+    # As when moved: five events 30 ms apart, then 50 ms of silence.
+    assert 0.18 <= loop.time() - start < 0.6
+    assert loop.time() - last_event >= 0.045
+
+
+async def test_a_renewal_never_brings_the_deadline_forward() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def renewed_to_the_past() -> None:
+        async with Deadline(start + 0.1) as deadline:
+            deadline.renew = lambda: start  # long past: the deadline that was set stands
+            await asyncio.sleep(1)
+
+    with pytest.raises(TimeoutError):
+        await renewed_to_the_past()
+    assert loop.time() - start >= 0.09
 
 
 async def test_moving_the_deadline_earlier_brings_the_timeout_forward() -> None:

@@ -409,6 +409,29 @@ async def test_hang_before_first_token_is_a_504_and_hang_mid_stream_an_in_band_t
     assert 'outcome="timeout",status_class="5xx",tier="standard"} 2.0' in metrics
 
 
+async def test_a_stream_longer_than_the_idle_timeout_is_not_cut_while_events_come() -> None:
+    async def steady(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        async def events() -> AsyncIterator[bytes]:
+            yield chunk(None, role=True)
+            for i in range(12):  # 1.2 s of events 0.1 s apart, with a 0.3 s idle timeout
+                await asyncio.sleep(0.1)
+                yield chunk(f" {i}")
+            yield DONE
+
+        return worker.sse(events())
+
+    worker = FakeWorker(steady)
+    settings = settings_for(WORKER, first_token_timeout_s=0.5, idle_timeout_s=0.3)
+    async with running_gateway(settings, worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            body = _chat(max_tokens=12)
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                events = await _events(r)
+    assert events[-1] == DONE
+    assert events[1:-1] == [chunk(f" {i}") for i in range(12)]
+
+
 async def test_unreachable_worker_is_a_503_and_not_ready() -> None:
     from tests.servers import free_port
 

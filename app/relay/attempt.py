@@ -94,8 +94,9 @@ class Attempts:
                     deadline.move(earliest(loop.time() + stall, total_at))
                     await pending
                     sending = False
-                    deadline.move(stream.read_deadline())
+                    stream.resumed()
                 sending = True  # the end of the body waits for a client that does not read, too
+                deadline.renew = None
                 deadline.move(earliest(loop.time() + stall, total_at))
                 if stream.held:
                     await answer.send_all(stream.held, stream.held_outputs)

@@ -1,14 +1,17 @@
-"""A deadline for a block of code that moves later on every event at the cost of a float store.
+"""A deadline for a block of code that moves later on every event at no cost per event.
 
 ``asyncio.timeout``'s ``reschedule`` cancels its timer and pushes a new one onto the loop's
 heap; a relay moves its idle deadline on every event of every stream, so that was a heap push
 (and a cancelled handle left on the heap) per event. Here the timer stays where it is when the
 deadline moves later; when it fires early it goes back to sleep until the current deadline.
+A deadline that follows the events (an idle timeout) is not moved at all: the timer asks
+:attr:`Deadline.renew` what it is when it fires.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import TracebackType
 
 _TICK_S = 0.001
@@ -18,10 +21,11 @@ class Deadline:
     """Like ``asyncio.timeout_at``: the block is cancelled at ``when`` and raises TimeoutError.
 
     :meth:`move` sets a new deadline; moving it earlier than the timer reschedules the timer,
-    moving it later only records it.
+    moving it later only records it. While :attr:`renew` is set, the timer asks it for the
+    deadline when it fires, and a later one than :attr:`when` replaces it.
     """
 
-    __slots__ = ("_at", "_cancelling", "_expired", "_handle", "_loop", "_task", "when")
+    __slots__ = ("_at", "_cancelling", "_expired", "_handle", "_loop", "_task", "renew", "when")
 
     def __init__(self, when: float) -> None:
         self.when = when
@@ -31,6 +35,8 @@ class Deadline:
         self._at = when
         self._expired = False
         self._cancelling = 0
+        self.renew: Callable[[], float] | None = None
+        """The deadline as it stands when the timer fires (loop time), if it follows events."""
 
     def move(self, when: float) -> None:
         """The block now ends at ``when`` (loop time)."""
@@ -45,6 +51,8 @@ class Deadline:
 
     def _fire(self) -> None:
         self._handle = None
+        if self.renew is not None:
+            self.when = max(self.when, self.renew())
         # A timer may fire up to a tick (1 ms on uvloop) before its time; only a deadline moved
         # later since it was set puts it back to sleep.
         if self._loop.time() < self.when - _TICK_S:

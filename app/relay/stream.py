@@ -10,6 +10,7 @@ dropped, and the ``system_fingerprint`` vLLM then leaves off finish chunks is pu
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 
 from app.api.protocol import Events, ParsedRequest
@@ -56,12 +57,14 @@ class StreamPump:
         "_idle",
         "_keep_usage",
         "_kind_of",
+        "_last_read",
         "_lease",
         "_loop",
         "_restore",
         "_send",
         "_splitter",
         "_total_at",
+        "_waiting",
         "_worker",
         "done",
         "erred",
@@ -100,6 +103,8 @@ class StreamPump:
         """The prompt and completion tokens the worker's usage told (None: it told none)."""
         self.last_received: float | None = None
         """When the latest output event came from the worker."""
+        self._last_read = 0.0
+        self._waiting = False
         self.held: list[bytes] | None = None
         """Events held, in order, from a finish chunk until the usage chunk tells the worker's
         fingerprint: only while the gateway has not seen this worker's yet."""
@@ -111,12 +116,27 @@ class StreamPump:
         """The deadline while the relay waits for the worker: first token, or the next event."""
         if self.last_received is None:
             return earliest(self._deadline_at, self._total_at)
-        return earliest(self._loop.time() + self._idle, self._total_at)
+        since = self._clock() - self._last_read
+        return earliest(self._loop.time() + self._idle - since, self._total_at)
+
+    def resumed(self) -> None:
+        """A send that had to wait is done: the worker's deadline applies again."""
+        self._waiting = False
+        self._last_read = self._clock()  # the wait was the client's: not the worker's idle time
+        self._deadline.move(self.read_deadline())
+
+    def _renewed(self) -> float:
+        # The idle deadline follows every piece of the worker's body without being moved per
+        # event: its timer asks here when it fires. Not while a send waits for the client
+        # (the stall timeout's time) and not before the first token (its own deadline).
+        if self._waiting:
+            return -math.inf
+        return self.read_deadline()
 
     def feed(self, data: bytes) -> Awaitable[None] | None:
         """Relay the whole events ``data`` completes; what finishes the send if it must wait."""
         worker = self._worker
-        received = self._clock()
+        received = self._last_read = self._clock()
         events = self._splitter.feed(data)
         if not events:
             return None
@@ -177,8 +197,14 @@ class StreamPump:
             # are on their way: the client's first token does not wait for the bookkeeping.
             if seen:
                 self._feedback.outputs(self._lease, seen, before, received)
-        if pending is None and self.last_received is not None:
-            self._deadline.move(self.read_deadline())
+        if before is None and seen:
+            # The first token: from now on the deadline is the idle timeout's, which may be
+            # sooner than the first token's (moved once a waiting send is done, if one waits).
+            self._deadline.renew = self._renewed
+            if pending is None:
+                self._deadline.move(self.read_deadline())
+        if pending is not None:
+            self._waiting = True
         self.overhead_s += self._clock() - received
         return pending
 
