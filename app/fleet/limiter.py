@@ -50,7 +50,7 @@ class ConcurrencyLimit:
 
     __slots__ = (
         "_cooldown", "_decrease", "_draining", "_held", "_initial", "_last_cut", "_settle",
-        "maximum", "measured", "minimum", "value",
+        "_value", "limit", "maximum", "measured", "minimum",
     )  # fmt: skip
 
     def __init__(
@@ -64,7 +64,10 @@ class ConcurrencyLimit:
     ) -> None:
         self.maximum = maximum
         self.minimum = minimum
-        self.value = self._initial = max(minimum, min(maximum, initial))
+        self._value = self._initial = max(minimum, min(maximum, initial))
+        self.limit = max(1, math.floor(self._value + 1e-9))
+        """The whole number of requests that may run (kept with :attr:`value`: read far more
+        often than it changes)."""
         self._decrease = decrease
         self._cooldown = cooldown_s
         self._settle = settle_s
@@ -75,9 +78,14 @@ class ConcurrencyLimit:
         """Whether a measurement lowered the limit: a miss, the live pace, the worker queueing."""
 
     @property
-    def limit(self) -> int:
-        """The whole number of requests that may run."""
-        return max(1, math.floor(self.value + 1e-9))
+    def value(self) -> float:
+        """The limit, fractional: it grows and shrinks by fractions of a request."""
+        return self._value
+
+    @value.setter
+    def value(self, value: float) -> None:
+        self._value = value
+        self.limit = max(1, math.floor(value + 1e-9))
 
     def cut(self, in_flight: float, now: float, over: float = 1.0) -> bool:
         """A miss at ``now`` with ``in_flight`` running: cut, at most once per cooldown.

@@ -27,7 +27,8 @@ class OnlineLinear:
     """``y = intercept + slope * x`` fitted online, with exponential forgetting."""
 
     __slots__ = (
-        "_decay", "_n", "_prior_intercept", "_prior_slope", "_x", "_xx", "_xy", "_y", "observed",
+        "_decay", "_n", "_prior_intercept", "_prior_slope", "_x", "_xx", "_xy", "_y", "intercept",
+        "observed", "slope",
     )  # fmt: skip
 
     def __init__(self, intercept: float, slope: float, decay: float = 0.98) -> None:
@@ -41,11 +42,17 @@ class OnlineLinear:
                 self._add(x, intercept + slope * x)
         self.observed = 0
         """Observations so far, the prior's pseudo-points not counted."""
+        self.slope = slope
+        """The fitted slope, never negative (latency does not fall as work grows)."""
+        self.intercept = intercept
+        """The fitted intercept, never negative."""
+        self._fit()
 
     def observe(self, x: float, y: float) -> None:
         """Add one observation; older ones weigh ``decay`` times less each time."""
         self.observed += 1
         self._add(x, y)
+        self._fit()
 
     def _add(self, x: float, y: float) -> None:
         d = self._decay
@@ -55,18 +62,16 @@ class OnlineLinear:
         self._xx = self._xx * d + x * x
         self._xy = self._xy * d + x * y
 
-    @property
-    def slope(self) -> float:
-        """The fitted slope, never negative (latency does not fall as work grows)."""
+    def _fit(self) -> None:
+        # Fitted when an observation comes, not when read: routing and admission read the
+        # line for every worker several times per request, and it learns once per request.
         denom = self._n * self._xx - self._x * self._x
         if denom <= 1e-12 * max(1.0, self._n * self._xx):
-            return self._prior_slope
-        return max(0.0, (self._n * self._xy - self._x * self._y) / denom)
-
-    @property
-    def intercept(self) -> float:
-        """The fitted intercept, never negative."""
-        return max(0.0, (self._y - self.slope * self._x) / self._n)
+            slope = self._prior_slope
+        else:
+            slope = max(0.0, (self._n * self._xy - self._x * self._y) / denom)
+        self.slope = slope
+        self.intercept = max(0.0, (self._y - slope * self._x) / self._n)
 
     def predict(self, x: float) -> float:
         """``intercept + slope * x``."""
