@@ -7,6 +7,7 @@ score, rerank, pooling, tokenizer, transcriptions, with vLLM's aliases) is one h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -78,18 +79,19 @@ async def _relay(
     timer = RequestTimer(state.clock, arrival(request, state.clock))
     trace = request_trace(request.scope)
     request_id = trace.request_id
+    header = _header_reader(request.scope)
     model = ""
     tier = state.settings.default_tier
     try:
         identity = state.auth.identify(
-            request.headers.get("authorization"),
-            request.headers.get(state.settings.tier_header),
-            fairness_id(request.headers.get),
+            header("authorization"),
+            header(state.settings.tier_header),
+            fairness_id(header),
         )
         tier = identity.tier.name
         targets = NO_TARGETS
         if state.settings.slo_headers:
-            targets = slo_targets(request.headers.get)
+            targets = slo_targets(header)
         parsed = await _parse(request, state, endpoint)
         if not parsed.model:
             parsed.model = state.router.default_model()
@@ -121,7 +123,7 @@ async def _relay(
         identity.tier.with_targets(targets.ttft_s, targets.tpot_s),
         model,
         own_tokens,
-        state.router.route_key(_session(request, parsed, state.settings.affinity_header), parsed),
+        state.router.route_key(_session(header, parsed, state.settings.affinity_header), parsed),
         timer.arrival,
         parsed.max_tokens,
         own_ttft=targets.ttft_s is not None,
@@ -202,11 +204,30 @@ async def metrics(request: Request) -> PlainTextResponse:
     )
 
 
-def _session(request: Request, parsed: ParsedRequest, header: str | None) -> str | None:
-    if header:
-        value = request.headers.get(header)
+def _session(
+    header: Callable[[str], str | None], parsed: ParsedRequest, name: str | None
+) -> str | None:
+    if name:
+        value = header(name)
         if value:
             return value
         if parsed.user:
             return parsed.user
     return None
+
+
+def _header_reader(scope: Scope) -> Callable[[str], str | None]:
+    """Reads the request's headers by name, the first of a repeated one, as Starlette's do.
+
+    One dict per request: Starlette's ``Headers`` scans every field on each lookup, and a
+    relayed request looks up seven or more.
+    """
+    fields: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        fields.setdefault(name, value)  # ASGI gives the names in lower case
+
+    def get(name: str) -> str | None:
+        value = fields.get(name.lower().encode("latin-1"))
+        return None if value is None else value.decode("latin-1")
+
+    return get
