@@ -102,6 +102,8 @@ MAX_TOKENS = 64
 WARMUP_STREAMS = 64
 CALIBRATION_ATTAINMENT = 0.9
 CALIBRATION_RUNS = 2
+CALIBRATION_LIFETIMES = 5.0
+"""A calibration run shorter than this many request lifetimes at capacity overestimates it."""
 CALIBRATION_START_RPS = 6.0
 CALIBRATION_MIN_RPS = 0.25
 CALIBRATION_MAX_RPS = 30.0
@@ -399,6 +401,32 @@ async def calibrate(
         return met >= CALIBRATION_ATTAINMENT
 
     return await search_capacity(step, most, geometric), steps
+
+
+def calibration_too_short(
+    steps: Sequence[Mapping[str, float]], capacity: float, seconds: float
+) -> str | None:
+    """A warning when the calibration's runs were too short for the capacity they found.
+
+    A request holds its slot for its whole lifetime (its TTFT and ``MAX_TOKENS`` at its TPOT):
+    until the first ones end, a run fills the workers' slots without any backlog, and an
+    overload shows only once its backlog outgrows the TTFT target. Runs under
+    ``CALIBRATION_LIFETIMES`` lifetimes then pass rates no long run sustains (seen: 30-s runs
+    at x16 on the simulated workers, where a request lived 22 s, found 18 req/s; the fleet
+    served 9-10 a second over 160-s runs).
+    """
+    at = [s for s in steps if s.get("rps") == capacity and "tpot_p90_s" in s]
+    if not at:
+        return None
+    lifetime = max(s["ttft_p90_s"] + MAX_TOKENS * s["tpot_p90_s"] for s in at)
+    if seconds >= CALIBRATION_LIFETIMES * lifetime:
+        return None
+    return (
+        f"WARNING: calibration runs of {seconds:g} s are under {CALIBRATION_LIFETIMES:g} "
+        f"request lifetimes at the capacity found ({lifetime:.1f} s each): the capacity is "
+        f"likely too high; calibrate for at least {CALIBRATION_LIFETIMES * lifetime:.0f} s "
+        "(--calibrate) or with a smaller --time-scale"
+    )
 
 
 async def search_capacity(
@@ -823,6 +851,9 @@ async def run(
         else:
             capacity = args.capacity
     log(f"capacity {capacity:.2f} req/s")
+    short = calibration_too_short(steps, capacity, args.calibrate)
+    if short is not None:
+        log(short)
     warmup = workload(capacity, 8, random.Random(args.seed + 2))
     runs: list[dict[str, Any]] = []
     loads = [float(x) for x in args.loads.split(",")]

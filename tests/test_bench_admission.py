@@ -11,9 +11,11 @@ import pytest
 
 from bench.admission import (
     DIURNAL,
+    MAX_TOKENS,
     TIERS,
     Arrival,
     _parse_args,
+    calibration_too_short,
     certain_miss,
     checks,
     diurnal_windows,
@@ -144,6 +146,19 @@ def test_capacity_search_doubles_above_its_step_range_then_bisects() -> None:
     assert seen[:25] == [float(r) for r in range(6, 31)]
     assert seen[25:] == [60.0, 120.0, 90.0, 105.0, 97.5]
     assert found == 97.5  # within a tenth of the knee
+
+
+def test_a_calibration_shorter_than_five_request_lifetimes_is_flagged() -> None:
+    # At x16 on the simulated workers a request lived ~22 s (TPOT ~0.34 s, 64 tokens).
+    at_capacity = {"rps": 18.0, "ttft_p90_s": 1.0, "tpot_p90_s": 0.34, "attainment": 0.95}
+    steps = [{"rps": 12.0, "ttft_p90_s": 0.5, "tpot_p90_s": 0.2}, at_capacity]
+    lifetime = 1.0 + MAX_TOKENS * 0.34
+    warning = calibration_too_short(steps, 18.0, 30.0)
+    assert warning is not None
+    assert f"{5 * lifetime:.0f} s" in warning
+    assert calibration_too_short(steps, 18.0, 5 * lifetime + 1) is None
+    # No step at the capacity (given with --capacity): nothing to judge by.
+    assert calibration_too_short(steps, 20.0, 30.0) is None
 
 
 def test_tiers_sent_alone_keep_the_times_and_prompts_the_whole_mix_drew() -> None:
