@@ -102,6 +102,8 @@ MAX_TOKENS = 64
 WARMUP_STREAMS = 64
 CALIBRATION_ATTAINMENT = 0.9
 CALIBRATION_RUNS = 2
+CLIENT_BUSY = 0.8
+"""A client process busier than this share of a run measures its own lateness too."""
 CALIBRATION_LIFETIMES = 5.0
 """A calibration run shorter than this many request lifetimes at capacity overestimates it."""
 CALIBRATION_START_RPS = 6.0
@@ -758,6 +760,7 @@ class Bench:
         raw: dict[str, list[dict[str, Any]]] = {}
         timelines: dict[str, list[dict[str, float]]] = {}
         cut_counts: dict[str, dict[str, float]] = {}
+        client_cpu: dict[str, float] = {}
         modes = self.args.modes.split(",")
         self.compared += 1
         for mode in modes if self.compared % 2 else modes[::-1]:
@@ -767,23 +770,29 @@ class Bench:
                     await drive(gateway, warmup, self.keys)
                 timeline = timelines[mode] = []
                 sampler = asyncio.create_task(sample_gateway(gateway, 0.25, timeline))
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 try:
                     outcomes = await drive(gateway, arrivals, self.keys)
                 finally:
                     sampler.cancel()
                 took = time.perf_counter() - started
+                busy = (time.process_time() - cpu) / max(took, 1e-9)
             results[mode] = summarize(outcomes, duration)
+            client_cpu[mode] = busy
             cuts = cut_counts[mode] = limit_cuts(timeline)
             raw[mode] = [o.as_dict() for o in outcomes]
             on = results[mode]["all"]
             told = ", ".join(f"{cause} {n:g}" for cause, n in sorted(cuts.items())) or "none"
             log(f"{name} {mode}: goodput {on['goodput_rps']:.2f} req/s, {on['rejected']} "
                 f"rejected, {on['lost']} lost, all answered after {took:.0f} s; "
-                f"limit cuts: {told}")  # fmt: skip
+                f"limit cuts: {told}; this client's CPU {100 * busy:.0f}%")  # fmt: skip
+            if busy > CLIENT_BUSY:
+                log(f"WARNING: {name} {mode}: this client was busy {100 * busy:.0f}% of the run: "
+                    "its own pace, not the gateway's, may be what was measured (fewer events: "
+                    "the sims' --stream-interval)")  # fmt: skip
         return {
             "name": name, "results": results, "requests": raw, "timeline": timelines,
-            "limit_cuts": cut_counts,
+            "limit_cuts": cut_counts, "client_cpu": client_cpu,
         }  # fmt: skip
 
 
