@@ -994,13 +994,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sim-args",
-        default="--max-num-seqs 64",
-        help="the simulated workers' command line beyond their port (--engine sim)",
+        default="--max-num-seqs 64 --stream-interval 8",
+        help="the simulated workers' command line beyond their port (--engine sim); 8 tokens "
+        "an event keep the client's and the gateway's event rate within a 2-core machine",
     )
     parser.add_argument(
         "--time-scale",
         type=float,
-        default=16.0,
+        default=4.0,
         help="--engine sim: every simulated duration, the tiers' targets and waits and the "
         "gateway's first-token timeout are multiplied by this (the machine's CPU then keeps up)",
     )
