@@ -119,10 +119,8 @@ class AdmissionController:
             if not self._waiting_ahead(ticket) and not self.demand.yields(ticket.tier, now):
                 room = self.placer.choose(ticket, now, workers)
                 if room is not None:
-                    self._decide(ticket.tier, Decision.ADMITTED)
                     self.demand.waited(ticket.tier.priority, 0.0)
-                    self.shares.started(ticket)
-                    return self.lease(room, ticket), 0.0
+                    return self._admitted(room, ticket), 0.0
             margin = self.placer.start_margin(ticket, fastest, now, workers)
         except UpstreamUnavailable:
             self._decide(ticket.tier, Decision.REJECTED, Reason.NO_WORKER, shortage=False)
@@ -265,9 +263,13 @@ class AdmissionController:
             return
         self._remove(ticket)
         # The lease takes the slot now, so the next request in this same pass sees it.
+        future.set_result(self._admitted(choice, ticket))
+
+    def _admitted(self, choice: Choice, ticket: Ticket) -> Lease:
+        """Admit ``ticket`` on ``choice``: counted, running in its fairness id's share, leased."""
         self._decide(ticket.tier, Decision.ADMITTED)
         self.shares.started(ticket)
-        future.set_result(self.lease(choice, ticket))
+        return self.lease(choice, ticket)
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
