@@ -450,6 +450,32 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     assert admission.demand.mean_hold(interactive.priority) == pytest.approx(6.6)
 
 
+def test_a_hold_counts_at_the_pace_its_worker_decodes_at_when_full_not_past_the_aim() -> None:
+    # Default targets: aim 80 ms a token. 0.3 s to the first token, then 63 tokens at 25 ms.
+    clock = FakeClock()
+    admission, pool, _, settings = _controller(clock)
+    worker = pool.workers["a:1"]
+    worker.limit.value = 40
+    top = _tier(settings, "interactive").priority
+    # Before the worker's decode line is known: the aim, 0.3 + 63 x 80 ms.
+    admission.completed("interactive", 1.875, decode_s=1.575, decoded=63, worker=worker)
+    assert admission.demand.mean_hold(top) == pytest.approx(0.3 + 63 * 0.08)
+    # A worker whose batch grows TPOT by 0.5 ms a stream from 20 ms decodes at 40 ms when it
+    # runs its limit of 40 (its engine, not TPOT, bounds it): the hold counts at 40 ms.
+    for load in range(2, 60, 4):
+        worker.latency.observe_tpot(load, 0.02 + 0.0005 * load)
+    assert admission.limits.full_pace(worker) == pytest.approx(0.04, rel=1e-3)
+    admission, _, _, _ = _controller(clock)
+    admission.completed("interactive", 1.875, decode_s=1.575, decoded=63, worker=worker)
+    assert admission.demand.mean_hold(top) == pytest.approx(0.3 + 63 * 0.04, rel=1e-3)
+    # A stream that decoded slower than that counts as it was.
+    admission.completed("interactive", 3.6, decode_s=3.3, decoded=63, worker=worker)
+    assert admission.demand.mean_hold(top) == pytest.approx(2.82 + 0.1 * (3.6 - 2.82), rel=1e-3)
+    # A steeper line crosses the aim under the limit: the aim bounds the pace.
+    worker.limit.value = 200
+    assert admission.limits.full_pace(worker) == pytest.approx(0.08)
+
+
 def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -> None:
     # Interactive and standard arrive at 2/s each for 10 s; their streams took 2.82 s (0.3 s to
     # the first token, 63 tokens at 40 ms). As measured, 2 x 2 x 2.82 = 11.6 slots are expected

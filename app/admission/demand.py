@@ -168,28 +168,40 @@ class TierDemand:
             span.add(now, priority)
         self._rates = _NOT_COMPUTED
 
-    def held(self, priority: int, held_s: float, decode_s: float, decoded: float) -> None:
+    def held(
+        self,
+        priority: int,
+        held_s: float,
+        decode_s: float,
+        decoded: float,
+        full_pace_s: float | None = None,
+    ) -> None:
         """A request of tier ``priority`` left its worker after holding a slot ``held_s``.
 
-        ``decode_s`` of the hold went to ``decoded`` tokens after the first. Two averages are
-        kept. The slots kept for a tier count its hold at least as it would have been at the
-        TPOT aim: they matter when the workers are at their limits, which hold TPOT near the
-        aim, and holds learnt at a lighter load (a warm-up, the first seconds of a surge) kept
-        too few. Whether the pool is expected to saturate counts the holds as measured: at a
-        light load streams decode well under the aim, and the aim's holds (seen: 2.3 times
-        the measured ones) expected more slots than the workers ran, and kept slots at 0.75x
-        of capacity that queued lower tiers for seconds on idle workers.
+        ``decode_s`` of the hold went to ``decoded`` tokens after the first; ``full_pace_s``
+        is the TPOT its worker is expected to decode at while running its limit
+        (:meth:`app.admission.limits.Limits.full_pace`; None: the TPOT aim). Two averages are
+        kept. The slots kept for a tier count its hold at least as it would have been at that
+        pace: they matter when the workers are at their limits, and holds learnt at a lighter
+        load (a warm-up, the first seconds of a surge) kept too few. Not at the aim alone: a
+        worker whose batch its engine bounds decodes far under the aim when full, and holds
+        counted at the aim (seen: 8 times the measured ones at 1.5x of the simulated GPU
+        fleet's capacity) kept more slots for interactive than the workers ran, and lower tiers
+        waited on idle workers. Whether the pool is expected to saturate counts the holds as
+        measured: at a light load streams decode well under the aim, and the aim's holds (seen:
+        2.3 times the measured ones) expected more slots than the workers ran, and kept slots
+        at 0.75x of capacity that queued lower tiers for seconds on idle workers.
         """
         _average(self._held_seen, priority, held_s)
         if decoded > 0:
             _average(self._decoded, priority, decoded)
-        aim = self._tpot_aim
-        if aim is not None and decoded > 0 and decode_s < decoded * aim:
-            held_s += decoded * aim - decode_s
+        pace = self._tpot_aim if full_pace_s is None else full_pace_s
+        if pace is not None and decoded > 0 and decode_s < decoded * pace:
+            held_s += decoded * pace - decode_s
         _average(self._held, priority, held_s)
 
     def mean_hold(self, priority: int) -> float | None:
-        """Tier ``priority``'s mean hold of a slot, counted at least at the TPOT aim.
+        """Tier ``priority``'s mean hold of a slot, counted at least at the full pace.
 
         What the slots kept for the tier are reckoned with; None before any request of it ended.
         """

@@ -37,6 +37,7 @@ from app.api.errors import GatewayError, Overloaded, QueueTimeout, Shed, Upstrea
 from app.api.outcome import Decision, Reason
 from app.fleet.lease import Choice, Lease
 from app.fleet.routing import Router
+from app.fleet.workers import Worker
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import Clock
 from app.settings import Settings, TierSpec
@@ -208,14 +209,22 @@ class AdmissionController:
             asyncio.get_running_loop().call_soon(self.dispatch)
 
     def completed(
-        self, tier: str, held_s: float, decode_s: float = 0.0, decoded: float = 0.0
+        self,
+        tier: str,
+        held_s: float,
+        decode_s: float = 0.0,
+        decoded: float = 0.0,
+        worker: Worker | None = None,
     ) -> None:
-        """A request of ``tier`` left its worker after holding a slot for ``held_s`` seconds.
+        """A request of ``tier`` left ``worker`` after holding a slot for ``held_s`` seconds.
 
         Counted for the drain rate and the tier's expected demand; then dispatch. ``decode_s``
-        of the hold went to ``decoded`` tokens after the first.
+        of the hold went to ``decoded`` tokens after the first, and the hold is counted at
+        least at the pace ``worker`` decodes at when full
+        (:meth:`app.admission.limits.Limits.full_pace`; without a worker, the TPOT aim).
         """
-        self.demand.held(self.room.priorities[tier], held_s, decode_s, decoded)
+        pace = None if worker is None else self.limits.full_pace(worker)
+        self.demand.held(self.room.priorities[tier], held_s, decode_s, decoded, pace)
         self.drain.completed(self._clock())
         self.poke()
 

@@ -96,7 +96,7 @@ class Feedback:
             return
         if self._engine:
             self._admission.completed(
-                self._tier, now - lease.dispatched, *lease.decoded(now, output_events)
+                self._tier, now - lease.dispatched, *lease.decoded(now, output_events), lease.worker
             )
         else:
             self._admission.poke()  # its slot is free; its hold says nothing of the tier's demand
