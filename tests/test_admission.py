@@ -474,6 +474,22 @@ def test_a_hold_counts_at_the_pace_its_worker_decodes_at_when_full_not_past_the_
     # A steeper line crosses the aim under the limit: the aim bounds the pace.
     worker.limit.value = 200
     assert admission.limits.full_pace(worker) == pytest.approx(0.08)
+    # A pace its batch does not set (an engine's max_num_seqs below the limit): the level.
+    worker.limit.value = 40
+    for load in range(2, 60, 4):
+        worker.latency.observe_tpot(load, 0.035)
+    level = admission.limits.full_pace(worker)
+    assert level is not None
+    assert 0.035 <= level < 0.04
+    # Loads too alike for a slope: their level if they filled half the limit, else the aim.
+    flat = Worker(WorkerSpec(url="http://b:1"))
+    for _ in range(200):
+        flat.latency.observe_tpot(30.0, 0.05)
+    assert flat.latency.decode.spread < 4
+    flat.limit.value = 40
+    assert admission.limits.full_pace(flat) == pytest.approx(0.05, rel=0.05)
+    flat.limit.value = 80
+    assert admission.limits.full_pace(flat) == pytest.approx(0.08)
 
 
 def test_whether_the_pool_will_saturate_is_judged_from_the_holds_as_measured() -> None:

@@ -163,21 +163,26 @@ class Limits:
     def full_pace(self, worker: Worker) -> float | None:
         """The TPOT ``worker``'s streams are expected to decode at while it runs its limit.
 
-        Its learnt decode line at :meth:`proven_cap`, at most the strictest tier's TPOT aim;
-        the aim while the line says nothing of the slope (as :meth:`_decode_fit`). None when
-        no tier has a TPOT target. A worker whose limit TPOT sets decodes near the aim when
-        full, but one whose batch is bounded by its own ``max_num_seqs`` or KV cache decodes
-        far under it (seen on the simulated GPU workers: 35 ms a token at their limits against
-        an aim of 320 ms), and counting its streams' holds at the aim expected nine times the
+        At most the strictest tier's TPOT aim; None when no tier has a TPOT target. Its learnt
+        decode line at :meth:`proven_cap` once streams finished across a range of loads (as
+        :meth:`_decode_fit` asks); a line that does not rise (a pace its batch does not set)
+        gives its level there. While their loads were too alike to give a slope: the line's
+        level at them if they were at least half the limit (what a full worker was seen to
+        give), else the aim. A worker whose limit TPOT sets decodes near the aim when full,
+        but one whose batch is bounded by its own ``max_num_seqs`` or KV cache decodes far
+        under it (seen on the simulated GPU workers: 35 ms a token at their limits against an
+        aim of 320 ms), and counting its streams' holds at the aim expected nine times the
         slots the tier above held (:meth:`app.admission.demand.TierDemand.held`).
         """
         aim = self.tpot_aim
         if aim is None:
             return None
-        line = worker.latency.decode
-        if line.spread < _MIN_LOAD_SPREAD or line.slope <= 0:
-            return aim
-        return min(aim, line.predict(self.proven_cap(worker)))
+        line, cap = worker.latency.decode, self.proven_cap(worker)
+        if line.spread >= _MIN_LOAD_SPREAD:
+            return min(aim, line.predict(cap))
+        if line.observed and line.mean_x >= cap / 2:
+            return min(aim, line.predict(line.mean_x))
+        return aim
 
     def prefill_cap(self, worker: Worker) -> int:
         """The most requests that may be prefilling on ``worker`` at once."""

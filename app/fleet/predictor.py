@@ -78,6 +78,11 @@ class OnlineLinear:
         return self.intercept + self.slope * x
 
     @property
+    def mean_x(self) -> float:
+        """The weighted mean of the observed ``x`` (the prior's pseudo-points included)."""
+        return self._x / self._n
+
+    @property
     def spread(self) -> float:
         """The weighted standard deviation of the observed ``x``: how well the slope is known."""
         mean = self._x / self._n
