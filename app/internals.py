@@ -1,12 +1,11 @@
 """The libraries' undocumented parts the gateway leans on, checked once at start-up.
 
-A few subclasses stand on parts of uvicorn and prometheus-client that no release promises to
-keep. ``pyproject.toml`` bounds
-each of those libraries at the newest minor release the suite passed on; this check covers an
-install that bypasses the bounds (a pinned image, ``--no-deps``). Each assumption that does not
-hold in the versions installed is logged as a warning at start-up, naming what is missing and
-what it costs, and exported as ``gateway_library_assumption{assumption}`` 0 (1 where it holds):
-never a silent slower path.
+A few subclasses stand on parts of uvicorn that no release promises to keep.
+``pyproject.toml`` bounds each of those libraries at the newest minor release the suite passed
+on; this check covers an install that bypasses the bounds (a pinned image, ``--no-deps``). Each
+assumption that does not hold in the versions installed is logged as a warning at start-up,
+naming what is missing and what it costs, and exported as
+``gateway_library_assumption{assumption}`` 0 (1 where it holds): never a silent slower path.
 
 Rules: a check only looks (it constructs throw-away objects, never sends a byte); it names the
 missing attributes, so the log says what changed.
@@ -20,9 +19,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import prometheus_client
 import uvicorn
-from prometheus_client.metrics import MetricWrapperBase
 from uvicorn.server import ServerState
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
@@ -77,12 +74,6 @@ def _code_names(function: Callable[..., object], names: tuple[str, ...]) -> list
     return [name for name in names if name not in used]
 
 
-def _metric_children(loop: asyncio.AbstractEventLoop) -> list[str]:
-    methods = _lacks(MetricWrapperBase, ("labels", "remove", "remove_by_labels", "clear"))
-    mro = [] if issubclass(prometheus_client.Counter, MetricWrapperBase) else ["Counter's base"]
-    return methods + mro
-
-
 ASSUMPTIONS = (
     Assumption(
         "uvicorn_protocol_contract", "uvicorn",
@@ -93,11 +84,6 @@ ASSUMPTIONS = (
         "uvicorn_multiprocess", "uvicorn",
         "GATEWAY_PROCESSES above 1 may not start or replace its processes",
         _multiprocess,
-    ),
-    Assumption(
-        "prometheus_metric_children", "prometheus-client",
-        "labelled metrics may not keep their children: every request may fail to count",
-        _metric_children,
     ),
 )  # fmt: skip
 

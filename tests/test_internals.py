@@ -24,28 +24,36 @@ async def test_every_assumption_holds_in_the_versions_installed() -> None:
     assert check(asyncio.get_running_loop()) == {a.name: [] for a in ASSUMPTIONS}
 
 
-async def test_a_release_without_a_metric_method_is_named_and_costed(
+async def test_a_release_without_a_supervisor_method_is_named_and_costed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class LaterWrapperBase:
-        """What a release that renamed a labelled metric's methods would give."""
+    class LaterProcess:
+        """What a release that renamed a supervised process's methods would give."""
 
-        def labels(self) -> None: ...
+        def __init__(self) -> None:
+            self._server = None
 
-        def remove(self) -> None: ...
+        def target(self) -> None: ...
 
-        def clear(self) -> None: ...
+        def start(self) -> None: ...
 
-    monkeypatch.setattr(internals, "MetricWrapperBase", LaterWrapperBase)
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self) -> None: ...
+
+        server = None
+
+    monkeypatch.setattr(internals, "Process", LaterProcess)
     with caplog.at_level(logging.WARNING, logger="app.internals"):
         found = check(asyncio.get_running_loop())
-    name = "prometheus_metric_children"
-    assert found[name] == ["remove_by_labels", "Counter's base"]
+    name = "uvicorn_multiprocess"
+    assert found[name] == ["kill"]
     assert all(not missing for other, missing in found.items() if other != name)
     [record] = caplog.records
-    assert f"{name} does not hold (prometheus-client" in record.getMessage()
-    assert "missing remove_by_labels, Counter's base" in record.getMessage()
-    assert "may fail to count" in record.getMessage()
+    assert f"{name} does not hold (uvicorn" in record.getMessage()
+    assert "missing kill" in record.getMessage()
+    assert "may not start or replace its processes" in record.getMessage()
 
 
 async def test_a_check_that_raises_does_not_hold(caplog: pytest.LogCaptureFixture) -> None:

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import httpx
+import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -18,7 +19,7 @@ from app.admission.auth import Authenticator
 from app.api.outcome import SloResult
 from app.fleet.workers import WorkerPool
 from app.observe.goodput import GoodputTracker
-from app.observe.metrics import Counter, GatewayMetrics
+from app.observe.metrics import GatewayMetrics, Labelled
 from app.settings import Settings
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
@@ -130,16 +131,15 @@ def test_a_keys_file_that_lists_no_keys_or_is_missing_refuses_to_start(tmp_path:
 
 def test_a_kept_child_is_dropped_with_its_series() -> None:
     registry = CollectorRegistry()
-    counter = Counter("kept", "A labelled counter.", ["worker"], registry=registry)
+    counter = Labelled(
+        prometheus_client.Counter("kept", "A counter.", ["worker"], registry=registry)
+    )
     counter.labels("w0").inc(3)
     assert counter.labels("w0") is counter.labels("w0")
+    assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 3
     counter.remove("w0")
+    assert registry.get_sample_value("kept_total", {"worker": "w0"}) is None
     counter.labels("w0").inc()
     assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 1
-    counter.clear()
-    counter.labels(worker="w0").inc(2)
-    assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 2
-    counter.labels("w0")
-    counter.remove_by_labels({"worker": "w0"})
-    counter.labels("w0").inc(5)
-    assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 5
+    counter.remove("w1")  # never made: nothing to drop
+    assert registry.get_sample_value("kept_total", {"worker": "w0"}) == 1

@@ -32,8 +32,14 @@ def test_the_metrics_table_matches_the_metric_specs() -> None:
 
 def test_the_metric_attributes_are_typed_as_their_specs_build_them() -> None:
     kinds = {"counter": "Counter", "gauge": "Gauge", "histogram": "Histogram"}
+
+    def typed(kind: str, labelled: bool) -> str:
+        """A labelled metric is one of the module's Labelled aliases, else prometheus_client's."""
+        name = kinds.get(kind, "BatchHistogram")
+        return name if labelled or name == "BatchHistogram" else f"prometheus_client.{name}"
+
     expected = {
-        spec.attr: kinds.get(spec.kind, "BatchHistogram") + (" | None" if spec.only_with else "")
+        spec.attr: typed(spec.kind, bool(spec.labels)) + (" | None" if spec.only_with else "")
         for spec in METRICS
     }
     assert GatewayMetrics.__annotations__ == expected

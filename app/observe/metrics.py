@@ -19,16 +19,13 @@ import bisect
 import contextlib
 import os
 import time
-from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Generic, Literal, TypeVar
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
 from prometheus_client import utils as prometheus_utils
-from prometheus_client import values as prometheus_values
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -57,54 +54,46 @@ def multiprocess_dir() -> str | None:
     return path if path and os.path.isdir(path) else None
 
 
-class _KeptChildren(MetricWrapperBase):
-    """A labelled metric whose children are kept by their label values once made.
+Child = TypeVar(
+    "Child", prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram
+)
+
+
+class Labelled(Generic[Child]):
+    """A labelled prometheus_client metric whose children are kept by their label values.
 
     prometheus_client's ``labels`` checks the values, converts each to ``str`` and takes a lock
     on every call, and a request makes about twenty such calls for label values that repeat:
-    here they are one dict lookup.
+    here they are one dict lookup. Only the metric's documented methods are used (``labels``,
+    ``remove``), through the metric it holds: nothing of prometheus_client is subclassed.
     """
 
-    _kept: dict[tuple[object, ...], Any]
+    __slots__ = ("_kept", "metric")
 
-    def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
+    def __init__(self, metric: Child) -> None:
+        self.metric: Child = metric
+        """prometheus_client's metric (registered, exposed as it is)."""
+        self._kept: dict[tuple[str, ...], Child] = {}
+
+    def labels(self, *values: str) -> Child:
         """The child for these label values (prometheus_client's, made on first use)."""
-        kept = self.__dict__.get("_kept")
-        if kept is None:
-            kept = self._kept = {}
-        child = kept.get(labelvalues)
+        child = self._kept.get(values)
         if child is None:
-            child = super().labels(*labelvalues, **labelkwargs)
-            if not labelkwargs:
-                kept[labelvalues] = child
+            child = self._kept[values] = self.metric.labels(*values)
         return child
 
-    def remove(self, *labelvalues: Any) -> None:
+    def remove(self, *values: str) -> None:
         """Drop a child's series (and the child kept for it)."""
-        self.__dict__.get("_kept", {}).pop(labelvalues, None)
-        super().remove(*labelvalues)
-
-    def remove_by_labels(self, labels: dict[str, str]) -> None:
-        """Drop the series these labels match (and every kept child: they are made again)."""
-        self.__dict__.pop("_kept", None)
-        super().remove_by_labels(labels)
-
-    def clear(self) -> None:
-        """Drop every child's series."""
-        self.__dict__.pop("_kept", None)
-        super().clear()
+        self._kept.pop(values, None)
+        self.metric.remove(*values)
 
 
-class Counter(_KeptChildren, prometheus_client.Counter):
-    """prometheus_client's counter, its children kept (:class:`_KeptChildren`)."""
-
-
-class Gauge(_KeptChildren, prometheus_client.Gauge):
-    """prometheus_client's gauge, its children kept (:class:`_KeptChildren`)."""
-
-
-class Histogram(_KeptChildren, prometheus_client.Histogram):
-    """prometheus_client's histogram, its children kept (:class:`_KeptChildren`)."""
+Counter = Labelled[prometheus_client.Counter]
+"""A labelled counter (:class:`Labelled`)."""
+Gauge = Labelled[prometheus_client.Gauge]
+"""A labelled gauge (:class:`Labelled`)."""
+Histogram = Labelled[prometheus_client.Histogram]
+"""A labelled histogram (:class:`Labelled`)."""
 
 
 UPSTREAM_CONNECTIONS = "upstream_connections"
@@ -140,7 +129,15 @@ class BatchHistogram(Collector):
         self._bounds = tuple(bounds)
         self._les = tuple(_go_float(b) for b in bounds)
         self._children: dict[tuple[str, ...], BatchHistogramChild] = {}
-        self._files = multiprocess_dir() is not None
+        # In multiprocess mode prometheus_client's histogram keeps the samples (in the files the
+        # pod's /metrics merges); it is registered nowhere, as the files are what is read.
+        self._files = (
+            None
+            if multiprocess_dir() is None
+            else prometheus_client.Histogram(
+                name, documentation, labelnames, buckets=bounds, registry=None
+            )
+        )
         registry.register(self)
 
     def labels(self, *values: str) -> BatchHistogramChild:
@@ -149,11 +146,8 @@ class BatchHistogram(Collector):
         if child is None:
             if len(values) != len(self._labelnames):
                 raise ValueError(f"{self._name} takes labels {self._labelnames}")
-            if self._files:
-                child = FileBatchHistogramChild(
-                    self._bounds, self._les, self._name, self._documentation, self._labelnames,
-                    values,
-                )  # fmt: skip
+            if self._files is not None:
+                child = EachSampleChild(self._bounds, self._files.labels(*values))
             else:
                 child = BatchHistogramChild(self._bounds)
             self._children[values] = child
@@ -209,60 +203,29 @@ class BatchHistogramChild:
         self.sum += total
 
 
-class FileBatchHistogramChild(BatchHistogramChild):
-    """A :class:`BatchHistogramChild` in multiprocess mode: its counts live in the files.
+class EachSampleChild(BatchHistogramChild):
+    """A :class:`BatchHistogram`'s child in multiprocess mode: prometheus_client's, per sample.
 
-    Written as prometheus_client's Histogram writes them (one value per bucket, not
-    cumulative, and the sum), so the multiprocess collector merges them with the other
-    processes'. A request's samples are counted first, then each bucket they fell in is
-    written once.
+    prometheus_client's own histogram writes the files the pod's ``/metrics`` merges (its
+    documented multiprocess mode); no public API writes them for a whole batch, so a request's
+    samples go to it one by one.
     """
 
-    __slots__ = ("_bucket_values", "_sum_value")
+    __slots__ = ("_child",)
 
-    def __init__(
-        self,
-        bounds: tuple[float, ...],
-        les: tuple[str, ...],
-        name: str,
-        documentation: str,
-        labelnames: tuple[str, ...],
-        labelvalues: tuple[str, ...],
-    ) -> None:
+    def __init__(self, bounds: tuple[float, ...], child: prometheus_client.Histogram) -> None:
         super().__init__(bounds)
-        value = prometheus_values.ValueClass
-        self._sum_value = value(
-            "histogram", name, f"{name}_sum", labelnames, labelvalues, documentation
-        )
-        self._bucket_values = [
-            value(
-                "histogram",
-                name,
-                f"{name}_bucket",
-                (*labelnames, "le"),
-                (*labelvalues, le),
-                documentation,
-            )
-            for le in les
-        ]
+        self._child = child
 
     def observe(self, value: float) -> None:
         """Count one sample."""
-        self._bucket_values[bisect.bisect_left(self._bounds, value)].inc(1)
-        self._sum_value.inc(value)
+        self._child.observe(value)
 
     def observe_all(self, values: Iterable[float]) -> None:
         """Count every sample of ``values``."""
-        bounds, find = self._bounds, bisect.bisect_left
-        hits: Tally[int] = Tally()
-        total = 0.0
+        observe = self._child.observe
         for value in values:
-            hits[find(bounds, value)] += 1
-            total += value
-        for index, count in hits.items():
-            self._bucket_values[index].inc(count)
-        if hits:
-            self._sum_value.inc(total)
+            observe(value)
 
 
 MetricKind = Literal["counter", "gauge", "histogram", "batch_histogram"]
@@ -303,24 +266,36 @@ class MetricSpec:
 
     def build(
         self, settings: Settings, registry: CollectorRegistry
-    ) -> Counter | Gauge | Histogram | BatchHistogram | None:
-        """The metric, registered on ``registry`` (``None`` if ``settings`` leave it out)."""
+    ) -> (
+        Counter | Gauge | Histogram | BatchHistogram | prometheus_client.Counter
+        | prometheus_client.Gauge | prometheus_client.Histogram | None
+    ):  # fmt: skip
+        """The metric, registered on ``registry`` (``None`` if ``settings`` leave it out).
+
+        A labelled one is :class:`Labelled`; one without labels is prometheus_client's own.
+        """
         if self.only_with is not None and not getattr(settings, self.only_with):
             return None
+        metric: prometheus_client.Counter | prometheus_client.Gauge | prometheus_client.Histogram
         if self.kind == "counter":
-            return Counter(self.name, self.help_text, self.labels, registry=registry)
+            metric = prometheus_client.Counter(
+                self.name, self.help_text, self.labels, registry=registry
+            )
+            return Labelled(metric) if self.labels else metric
         if self.kind == "gauge":
             mode = self.multiprocess_mode or "all"
-            return Gauge(
+            metric = prometheus_client.Gauge(
                 self.name, self.help_text, self.labels, multiprocess_mode=mode, registry=registry
             )
+            return Labelled(metric) if self.labels else metric
         bounds = getattr(settings, self.buckets) if isinstance(self.buckets, str) else self.buckets
         if bounds is None:
             raise ValueError(f"{self.name}: a histogram needs buckets")
         if self.kind == "histogram":
-            return Histogram(
+            metric = prometheus_client.Histogram(
                 self.name, self.help_text, self.labels, buckets=bounds, registry=registry
             )
+            return Labelled(metric) if self.labels else metric
         return BatchHistogram(self.name, self.help_text, self.labels, bounds, registry)
 
 
@@ -967,8 +942,8 @@ METRICS: tuple[MetricSpec, ...] = (
         doc=(
             "1 where an undocumented part of a library the gateway leans on holds in the "
             "versions installed, 0 where it does not (logged at start-up, with what it costs): "
-            "`uvicorn_protocol_contract`, `uvicorn_multiprocess`, "
-            "`prometheus_metric_children`. `pyproject.toml` bounds those libraries at the "
+            "`uvicorn_protocol_contract`, `uvicorn_multiprocess`. `pyproject.toml` bounds "
+            "those libraries at the "
             "releases the suite passed on; a 0 means an install outside the bounds"
         ),
     ),
@@ -995,7 +970,7 @@ class GatewayMetrics:
     queue: Histogram
     overhead: Histogram
     failover: Histogram
-    loop_lag: Histogram
+    loop_lag: prometheus_client.Histogram
     admission_decisions: Counter
     saturated: Counter
     queue_depth: Gauge
@@ -1009,8 +984,8 @@ class GatewayMetrics:
     tier_ttft_slo: Gauge
     tier_tpot_slo: Gauge
     tier_objective: Gauge
-    workers_known: Gauge
-    workers_healthy: Gauge
+    workers_known: prometheus_client.Gauge
+    workers_healthy: prometheus_client.Gauge
     worker_up: Gauge
     worker_ejected: Gauge
     worker_routed: Counter
@@ -1039,8 +1014,8 @@ class GatewayMetrics:
     worker_prefix_queries: Counter
     worker_prefix_hits: Counter
     worker_prefix_blocks: Gauge
-    prefix_index_bytes: Gauge
-    shared_state_up: Gauge | None
+    prefix_index_bytes: prometheus_client.Gauge
+    shared_state_up: prometheus_client.Gauge | None
     library_assumption: Gauge
 
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
@@ -1195,8 +1170,10 @@ class GatewayMetrics:
             if not self.multiprocess:
                 with contextlib.suppress(KeyError):
                     metric.remove(worker)
-            elif isinstance(metric, Gauge):
-                metric.labels(worker).set(0)
+            elif isinstance(metric, Labelled):
+                child = metric.labels(worker)
+                if isinstance(child, prometheus_client.Gauge):
+                    child.set(0)
         if not self.multiprocess:
             for cause in LimitCut:
                 with contextlib.suppress(KeyError):
