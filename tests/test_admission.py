@@ -450,6 +450,38 @@ def test_slots_kept_for_a_tier_follow_its_hold_at_the_tpot_aim_not_a_lighter_loa
     assert admission.demand.mean_hold(interactive.priority) == pytest.approx(6.6)
 
 
+def test_higher_arrived_says_whether_the_rates_have_a_tier_above() -> None:
+    clock = FakeClock()
+    admission, _, _, settings = _controller(clock)
+    demand = admission.demand
+    top, middle, low = (_tier(settings, n) for n in ("interactive", "standard", "batch"))
+    demand.arrived(middle.priority, clock.now)
+    assert not demand.higher_arrived(middle, clock.now)
+    assert demand.higher_arrived(low, clock.now)
+    assert not demand.higher_arrived(top, clock.now)
+    for tier in (top, middle, low):
+        above = any(p < tier.priority for p in demand.arrival_rates(clock.now))
+        assert demand.higher_arrived(tier, clock.now) == above
+    clock.advance(10.5)  # out of the window
+    assert not demand.higher_arrived(low, clock.now)
+    assert not demand.arrival_rates(clock.now)
+
+    class Elsewhere:
+        def counts(self, span_s: float, now: float) -> dict[int, int]:
+            return {top.priority: 2}
+
+        def oldest_age(self, now: float) -> float:
+            return 1.0
+
+        def queued(self, model: str, now: float) -> dict[int, int]:
+            return {}
+
+    demand.fleet = Elsewhere()
+    clock.advance(0.1)  # the rates are computed once per now
+    assert demand.higher_arrived(middle, clock.now)
+    assert top.priority in demand.arrival_rates(clock.now)
+
+
 def test_a_hold_counts_at_the_pace_its_worker_decodes_at_when_full_not_past_the_aim() -> None:
     # Default targets: aim 80 ms a token. 0.3 s to the first token, then 63 tokens at 25 ms.
     clock = FakeClock()

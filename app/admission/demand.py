@@ -161,6 +161,22 @@ class TierDemand:
             first = min(first, now - self.fleet.oldest_age(now))
         return first
 
+    def higher_arrived(self, tier: TierSpec, now: float) -> bool:
+        """Whether a tier above ``tier`` had a request in the last ``_ACTIVE_S`` seconds.
+
+        Here or, when known, elsewhere in the fleet: exactly when :meth:`arrival_rates` has a
+        rate for a tier above. When none did, nothing is kept for one
+        (:meth:`kept_for_higher` is 0) and no prompt is held for one, and the rates need not be
+        computed: a request of the top tier, or of any tier while the tiers above are quiet,
+        skips them.
+        """
+        mine = tier.priority
+        if any(n for p, n in self._window.at(now).items() if p < mine):
+            return True
+        if self.fleet is None:
+            return False
+        return any(n for p, n in self.fleet.counts(_ACTIVE_S, now).items() if p < mine)
+
     def arrived(self, priority: int, now: float) -> None:
         """A request of tier ``priority`` arrived at ``now``."""
         self._window.add(now, priority)

@@ -50,9 +50,13 @@ class Placement:
             )
         # Below saturation nothing is held back for higher tiers: see :meth:`reserving`. Its
         # slots are what the workers would run at the aim: the loads they were seen at are a
-        # lower bound, which would read bursts below saturation as saturation.
-        slots = sum(room.limits.proven_cap(w, at_aim=True) for w in candidates)
-        reserving = self.reserving(slots, now)
+        # lower bound, which would read bursts below saturation as saturation. With no tier
+        # above in play nothing is kept whatever it says: its figures are not computed.
+        reserving = (
+            not top
+            and room.demand.higher_arrived(ticket.tier, now)
+            and self.reserving(sum(room.limits.proven_cap(w, True) for w in candidates), now)
+        )
         full = frozenset(
             w.label
             for w in candidates
