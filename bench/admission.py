@@ -74,7 +74,7 @@ from bench.live import (
     write_json,
 )
 from bench.overhead import free_port, percentile
-from bench.sim_worker import running_sims
+from bench.sim_worker import EngineConfig, running_sims
 from scripts.redis_server import RedisServer
 from scripts.vllm_worker import separate_cpus
 
@@ -936,6 +936,14 @@ def _so_far(runs: Sequence[Mapping[str, Any]], capacity: float) -> None:
     write_json("admission-partial", {"capacity_rps": capacity, "runs": brief})
 
 
+def sim_max_num_seqs(sim_args: str) -> int:
+    """The ``--max-num-seqs`` the simulated workers are given (theirs by default)."""
+    words = sim_args.replace("=", " ").split()
+    if "--max-num-seqs" in words:
+        return int(words[words.index("--max-num-seqs") + 1])
+    return EngineConfig().max_num_seqs
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
@@ -958,8 +966,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--cold-burst",
         type=int,
-        default=COLD_BURST,
-        help="streams sent at once to a fresh gateway (simulated workers: 4 x max_num_seqs)",
+        default=None,
+        help=f"streams sent at once to a fresh gateway (default {COLD_BURST}; simulated "
+        "workers: as many as the fleet runs at once, workers x max_num_seqs)",
     )
     parser.add_argument(
         "--diurnal-window",
@@ -1012,6 +1021,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="gateway processes (GATEWAY_PROCESSES), sharing state through a redis-server",
     )
     args = parser.parse_args(argv)
+    if args.cold_burst is None:
+        sim = args.engine == "sim"
+        args.cold_burst = args.sim_workers * sim_max_num_seqs(args.sim_args) if sim else COLD_BURST
     if args.tiers is not None and (unknown := set(args.tiers.split(",")) - TIERS.keys()):
         parser.error(f"--tiers: no tier named {', '.join(sorted(unknown))}")
     return args

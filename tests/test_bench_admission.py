@@ -214,3 +214,12 @@ async def test_a_drive_given_up_cancels_what_runs_and_sends_nothing_more() -> No
     assert fake.stats.completed == 0
     assert all(o.ttft is None for o in outcomes)
     assert [o.sent for o in outcomes[len(early) :]] == [float("inf")] * len(late)
+
+
+def test_the_sim_fleet_s_cold_burst_fills_every_seat_it_has() -> None:
+    assert _parse_args([]).cold_burst == 64
+    assert _parse_args(["--engine", "sim"]).cold_burst == 4 * 64  # the default sim args
+    sim = ["--engine", "sim", "--sim-workers", "2", "--sim-args=--max-num-seqs=32"]
+    assert _parse_args(sim).cold_burst == 64
+    assert _parse_args(["--engine", "sim", "--sim-args=--stream-interval 8"]).cold_burst == 4 * 256
+    assert _parse_args(["--engine", "sim", "--cold-burst", "10"]).cold_burst == 10
