@@ -163,16 +163,13 @@ class Limits:
     def full_pace(self, worker: Worker) -> float | None:
         """The TPOT ``worker``'s streams are expected to decode at while it runs its limit.
 
-        At most the strictest tier's TPOT aim; None when no tier has a TPOT target. Its learnt
-        decode line at :meth:`proven_cap` once streams finished across a range of loads (as
-        :meth:`_decode_fit` asks); a line that does not rise (a pace its batch does not set)
-        gives its level there. While their loads were too alike to give a slope: the line's
-        level at them if they were at least half the limit (what a full worker was seen to
-        give), else the aim. A worker whose limit TPOT sets decodes near the aim when full,
-        but one whose batch is bounded by its own ``max_num_seqs`` or KV cache decodes far
-        under it (seen on the simulated GPU workers: 35 ms a token at their limits against an
-        aim of 320 ms), and counting its streams' holds at the aim expected nine times the
-        slots the tier above held (:meth:`app.admission.demand.TierDemand.held`).
+        At most the TPOT aim (None: no tier has a TPOT target). The learnt decode line at
+        :meth:`proven_cap` once loads spread as :meth:`_decode_fit` asks (a flat line: its
+        level); with loads too alike for a slope, the line's level at them if they were at
+        least half the limit, else the aim. A worker whose engine bounds its batch
+        (``max_num_seqs``, the KV cache) decodes far under the aim when full (the simulated
+        GPU workers: 35 ms a token against 320), and holds counted at the aim kept nine times
+        the slots the tier above held (:meth:`app.admission.demand.TierDemand.held`).
         """
         aim = self.tpot_aim
         if aim is None:

@@ -175,10 +175,7 @@ class AdmissionController:
         return any(n for (model, p), n in queued.items() if model == ticket.model and p <= priority)
 
     def _shed_for(self, ticket: Ticket) -> bool:
-        """Drop the least urgent sheddable request of a lower tier, if there is one.
-
-        Walks the queue, but only when it is full: not on the path of a request with room.
-        """
+        """Drop the least urgent sheddable lower-tier request, if any (the queue is full)."""
         victims = [
             t for t in self._queue if t.tier.sheddable and t.tier.priority > ticket.tier.priority
         ]
@@ -209,19 +206,12 @@ class AdmissionController:
             asyncio.get_running_loop().call_soon(self.dispatch)
 
     def completed(
-        self,
-        tier: str,
-        held_s: float,
-        decode_s: float = 0.0,
-        decoded: float = 0.0,
+        self, tier: str, held_s: float, decode_s: float = 0.0, decoded: float = 0.0,
         worker: Worker | None = None,
-    ) -> None:
-        """A request of ``tier`` left ``worker`` after holding a slot for ``held_s`` seconds.
+    ) -> None:  # fmt: skip
+        """A request of ``tier`` left ``worker`` after a hold of ``held_s``: counted, dispatch.
 
-        Counted for the drain rate and the tier's expected demand; then dispatch. ``decode_s``
-        of the hold went to ``decoded`` tokens after the first, and the hold is counted at
-        least at the pace ``worker`` decodes at when full
-        (:meth:`app.admission.limits.Limits.full_pace`; without a worker, the TPOT aim).
+        ``decode_s`` of it went to ``decoded`` tokens after the first (``TierDemand.held``).
         """
         pace = None if worker is None else self.limits.full_pace(worker)
         self.demand.held(self.room.priorities[tier], held_s, decode_s, decoded, pace)
