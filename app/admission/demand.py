@@ -171,11 +171,7 @@ class TierDemand:
         skips them.
         """
         mine = tier.priority
-        if any(n for p, n in self._window.at(now).items() if p < mine):
-            return True
-        if self.fleet is None:
-            return False
-        return any(n for p, n in self.fleet.counts(_ACTIVE_S, now).items() if p < mine)
+        return any(n for p, n in self._counts(self._window, now).items() if p < mine)
 
     def arrived(self, priority: int, now: float) -> None:
         """A request of tier ``priority`` arrived at ``now``."""
