@@ -27,6 +27,7 @@ from app.api.errors import error_body
 from app.fleet.discovery import LoopResolver, Resolver
 from app.fleet.predictor import PromptSizer
 from app.fleet.routing import Router
+from app.fleet.tokens import Tokenizer
 from app.fleet.upstream import UpstreamSlots, connection_budget, make_client, make_wire
 from app.fleet.wire import Connector, WireClient
 from app.fleet.workers import WorkerPool
@@ -138,7 +139,12 @@ class _Parts:
         client = make_client(settings, transport)
         wire = make_wire(settings, connector)
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
-        router = Router(settings, pool, metrics=metrics)
+        tokenizer = None
+        if pool.kv_events is not None:
+            tokenizer = Tokenizer(
+                client, settings.kv_tokenize_timeout_s, int(settings.kv_tokens_cache_mb * 2**20)
+            )
+        router = Router(settings, pool, metrics=metrics, tokenizer=tokenizer)
         lag = LoopLagProbe(metrics.loop_lag)
         limits = Limits(settings, metrics, lag)
         admission = AdmissionController(settings, router, limits, metrics, clock)

@@ -119,11 +119,14 @@ async def _relay(
         response = error_response(exc)
         response.headers["x-request-id"] = request_id
         return response
+    route = state.router.route_key(_session(header, parsed, state.settings.affinity_header), parsed)
+    if route.prefix is not None:
+        route = await state.router.tokenized(route, parsed)
     ticket = Ticket(
         identity.tier.with_targets(targets.ttft_s, targets.tpot_s),
         model,
         own_tokens,
-        state.router.route_key(_session(header, parsed, state.settings.affinity_header), parsed),
+        route,
         timer.arrival,
         parsed.max_tokens,
         own_ttft=targets.ttft_s is not None,

@@ -76,6 +76,14 @@ class WorkerSpec(BaseModel):
     hardware: Hardware | None = Field(
         default=None, description="Overrides the gateway-wide roofline figures for this worker."
     )
+    kv_events: str | None = Field(
+        default=None,
+        description="Where the worker publishes its KV cache events (tcp://host:port), if not "
+        "as its /kv_event_sources says.",
+    )
+    kv_replay: str | None = Field(
+        default=None, description="With kv_events: the worker's event replay endpoint, if any."
+    )
 
     @functools.cached_property
     def base_url(self) -> str:
@@ -196,7 +204,7 @@ class Settings(BaseSettings):
     workers: Annotated[list[WorkerSpec], NoDecode] = Field(
         default_factory=list,
         description="vLLM workers: comma-separated URLs, or a JSON list of "
-        '{"url", "name", "models", "api_key"} objects.',
+        '{"url", "name", "models", "api_key", "kv_events", "kv_replay"} objects.',
     )
     worker_dns: str | None = Field(
         default=None,
@@ -213,6 +221,23 @@ class Settings(BaseSettings):
         gt=0,
         description="Memory cap (MiB, all workers together) of prefix_aware's index of the "
         "prompts recently routed to each worker; the least recently used are dropped first.",
+    )
+    kv_events: bool = Field(
+        default=True,
+        description="prefix_aware: follow the KV cache events of every worker that publishes "
+        "them (vLLM's --kv-events-config, found at /kv_event_sources or set per worker) and route "
+        "on what each worker's cache really holds.",
+    )
+    kv_tokenize_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Longest wait for a worker's /tokenize when routing on KV events; past it "
+        "the request is routed on the approximate index.",
+    )
+    kv_tokens_cache_mb: float = Field(
+        default=16.0,
+        ge=0,
+        description="Memory cap (MiB) of the prompts' tokens kept for routing on KV events.",
     )
     affinity_header: str | None = Field(
         default="x-session-id",

@@ -76,6 +76,8 @@ class FakeWorker:
             return httpx.Response(200)
         if request.url.path == "/version":
             return httpx.Response(200, json={"version": "0.32.0"})
+        if request.url.path == "/kv_event_sources":
+            return httpx.Response(200, json={})  # publishes no KV cache events
         if request.url.path == "/metrics":
             page = (
                 "# TYPE vllm:num_requests_running gauge\n"

@@ -79,7 +79,7 @@ class Placement:
         prefix, tokens = ticket.route.prefix, ticket.own_tokens
         if prefix is None:
             return tokens
-        return tokens - self._router.cached_tokens(worker, prefix, tokens)
+        return tokens - self._router.cached_tokens(worker, prefix, tokens, ticket.route.tokens)
 
     def reserving(self, slots: int, now: float) -> bool:
         """Whether lower tiers must leave slots free for higher ones on workers of ``slots``.

@@ -13,6 +13,7 @@ from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from app.api.outcome import LimitCut
+from app.fleet.kvindex import KVIndex
 from app.fleet.predictor import WorkerLoad
 from app.fleet.prefix import PrefixIndex
 from app.observe.metrics import GatewayMetrics
@@ -33,6 +34,10 @@ class GaugedWorker(Protocol):
     @property
     def prefixes(self) -> PrefixIndex:
         """The prompt prefixes routed to it."""
+
+    @property
+    def kv(self) -> KVIndex | None:
+        """The blocks its KV cache events say it holds (None: not followed)."""
 
     @property
     def context_tokens(self) -> float:
@@ -90,6 +95,11 @@ class WorkerGauges:
         for worker in workers:
             index_bytes += worker.prefixes.nbytes()
             metrics.worker_prefix_blocks.labels(worker.label).set(len(worker.prefixes))
+            kv = worker.kv
+            if kv is not None:
+                index_bytes += kv.nbytes()
+                metrics.worker_kv_blocks.labels(worker.label).set(len(kv))
+                metrics.worker_kv_complete.labels(worker.label).set(1 if kv.complete else 0)
             hardware = worker.spec.hardware or settings.hardware
             if hardware is not None:
                 metrics.set_hardware(worker.label, hardware)

@@ -28,6 +28,7 @@ admission's ticket.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -37,6 +38,7 @@ from app.api.errors import InvalidRequest, ModelNotFound, UpstreamUnavailable
 from app.api.protocol import ParsedRequest
 from app.fleet.lease import Choice
 from app.fleet.prefix import BLOCK_CHARS, ENTRY_BYTES, PromptPrefix, prompt_prefix
+from app.fleet.tokens import PromptTokens, Tokenizer
 from app.fleet.workers import Worker, WorkerPool
 from app.observe.metrics import GatewayMetrics
 from app.settings import Settings
@@ -50,6 +52,9 @@ _STALE_PENALTY_S = 5.0
 # while another sits idle; the idle one then pays the prefix's prefill once and shares it.
 _BALANCE_ABS = 4.0
 _BALANCE_REL = 2.0
+# A prompt routed to a worker counts as cached there for this long, or until its blocks' events
+# come: they come once its prefill ran, which may wait in the worker's queue.
+_ROUTED_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,9 @@ class RouteKey:
     """Its session (a header or the body's ``user``): the session sticks to one worker."""
     prefix: PromptPrefix | None = None
     """Its prompt's prefix, read under ``prefix_aware`` only."""
+    tokens: PromptTokens | None = None
+    """Its prompt's tokens as the workers render them, when some worker's KV events are
+    followed (:meth:`Router.tokenized`)."""
 
 
 NO_KEY = RouteKey()
@@ -74,12 +82,14 @@ class Router:
         pool: WorkerPool,
         rng: random.Random | None = None,
         metrics: GatewayMetrics | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
         self._settings = settings
         self._pool = pool
         self._rng = rng or random.Random()
         self._turn = itertools.count()
         self._metrics = metrics
+        self._tokenizer = tokenizer
 
     def route_key(self, session: str | None, request: ParsedRequest) -> RouteKey:
         """What routes ``request``: its ``session``, and its prompt's prefix if the policy reads it.
@@ -89,6 +99,38 @@ class Router:
         if self._settings.routing != "prefix_aware":
             return RouteKey(session)
         return RouteKey(session, prompt_prefix(request))
+
+    async def tokenized(self, key: RouteKey, request: ParsedRequest) -> RouteKey:
+        """``key`` with the prompt's tokens, if a healthy worker of its model follows KV events.
+
+        Known at once for a prompt given as token ids or seen before; else a worker following
+        its events is asked (the least busy). A prompt too short to fill a block of theirs, one
+        that cannot be asked for (images, audio) or a failed answer leaves ``key`` as it is:
+        routed on the approximate index.
+        """
+        tokenizer, prefix = self._tokenizer, key.prefix
+        if tokenizer is None or prefix is None:
+            return key
+        now = self._pool.now()
+        followed = [
+            w
+            for w in self._pool.workers.values()
+            if w.kv is not None and request.model in w.models and w.healthy(now)
+        ]
+        if not followed:
+            return key
+        size = min(_block_size(w) or 1 for w in followed)
+        if prefix.chars < size // 2:
+            return key  # too short for a whole block: nothing of it can be cached
+        tokens, body = tokenizer.cached(request)
+        result = "cached"
+        if body is not None:
+            asked = min(followed, key=lambda w: w.in_flight)
+            tokens = await tokenizer.ask(asked.spec, request.model, body)
+            result = "asked" if tokens is not None else "failed"
+        if self._metrics is not None and (tokens is not None or body is not None):
+            self._metrics.prompt_tokenizations.labels(result).inc()
+        return key if tokens is None else dataclasses.replace(key, tokens=tokens)
 
     def default_model(self) -> str:
         """The model of a request that names none: the only model the workers serve.
@@ -184,7 +226,9 @@ class Router:
             crowded = self._crowded(workers) if prefix is not None else ()
             scored = []
             for w in workers:
-                cached = 0.0 if prefix is None else self.cached_tokens(w, prefix, own_tokens)
+                cached = (
+                    0.0 if prefix is None else self.cached_tokens(w, prefix, own_tokens, key.tokens)
+                )
                 # A crowded worker's cache does not count for the choice; if it is chosen all
                 # the same, what it is expected to find cached does (prediction, lease).
                 credit = 0.0 if w in crowded else cached
@@ -234,7 +278,7 @@ class Router:
                 if pinned_ttft <= best_ttft + slack:
                     worker, cached = pinned, pinned_cached
             if prefix is not None:
-                self._remember(worker, prefix, own_tokens, cached)
+                self._remember(worker, key, prefix, own_tokens, cached)
             predicted, work = self.predict(worker, own_tokens - cached)
             return Choice(worker, predicted, work, cached)
         if key.session:
@@ -257,13 +301,34 @@ class Router:
         """Requests running on ``worker``: this gateway's, plus other clients' as scraped."""
         return worker.in_flight + worker.others(now, self._settings.load_max_age_s)
 
-    def cached_tokens(self, worker: Worker, prefix: PromptPrefix, own_tokens: float) -> float:
+    def cached_tokens(
+        self,
+        worker: Worker,
+        prefix: PromptPrefix,
+        own_tokens: float,
+        tokens: PromptTokens | None = None,
+    ) -> float:
         """Of a prompt of ``own_tokens``, the tokens ``worker`` is expected to have cached.
 
-        The longest prefix recently routed there, in tokens at this prompt's own ratio of
-        tokens to characters, rounded down to whole KV-cache blocks of the worker (it reuses
-        nothing smaller); none if the worker says its prefix caching is off.
+        With the prompt's ``tokens`` and the worker's KV events followed: the blocks its events
+        say it holds (or that were just routed there, their events still to come), as a share
+        of the prompt; while its index is incomplete (events were missed), the approximate
+        index's guess where it says more. Otherwise the approximate guess alone: the longest
+        prefix recently routed there, in tokens at this prompt's own ratio of tokens to
+        characters, rounded down to whole KV-cache blocks of the worker (it reuses nothing
+        smaller); none if the worker says its prefix caching is off.
         """
+        index = worker.kv
+        size = _block_size(worker) if index is not None else None
+        if tokens is None or index is None or not size or not len(tokens):
+            return self._approximate(worker, prefix, own_tokens)
+        matched = index.match(tokens.blocks(size), self._pool.now())
+        precise = own_tokens * min(1.0, matched * size / len(tokens))
+        if index.complete:
+            return precise
+        return max(precise, self._approximate(worker, prefix, own_tokens))
+
+    def _approximate(self, worker: Worker, prefix: PromptPrefix, own_tokens: float) -> float:
         matched = worker.prefixes.match(prefix.blocks)
         if not matched:
             return 0.0
@@ -277,7 +342,7 @@ class Router:
         return tokens
 
     def _remember(
-        self, worker: Worker, prefix: PromptPrefix, own_tokens: float, cached: float
+        self, worker: Worker, key: RouteKey, prefix: PromptPrefix, own_tokens: float, cached: float
     ) -> None:
         """``worker`` will hold this prompt's prefix: index it, count the predicted hit.
 
@@ -295,9 +360,23 @@ class Router:
             if tokens_per_block > 0:
                 cap = min(cap, int(sample.kv_tokens * 4 / 3 / tokens_per_block))
         worker.prefixes.add(prefix.blocks, max(1, cap))
+        index, tokens = worker.kv, key.tokens
+        if index is not None and tokens is not None:
+            size = _block_size(worker)
+            if size:
+                index.routed(tokens.blocks(size), self._pool.now() + _ROUTED_S)
         if self._metrics is not None:
             self._metrics.worker_prefix_queries.labels(worker.label).inc(own_tokens)
             self._metrics.worker_prefix_hits.labels(worker.label).inc(cached)
+
+
+def _block_size(worker: Worker) -> int | None:
+    """The worker's KV cache block in tokens: as its events say, else its cache_config_info."""
+    index = worker.kv
+    if index is not None and index.block_size:
+        return index.block_size
+    sample = worker.load
+    return int(sample.block_size) if sample is not None and sample.block_size else None
 
 
 def _rendezvous(key: str, workers: list[Worker]) -> Worker:

@@ -23,6 +23,9 @@ import httpx
 from app.api.outcome import LimitCut
 from app.fleet.discovery import Resolver, discover
 from app.fleet.gauges import WorkerGauges
+from app.fleet.kvevents import KVEvents, SourceUnknown, find_source
+from app.fleet.kvindex import ENTRY_BYTES as KV_ENTRY_BYTES
+from app.fleet.kvindex import KVIndex
 from app.fleet.limiter import ConcurrencyLimit, DecodePace
 from app.fleet.loadsignals import LoadSample, held_back, parse_load
 from app.fleet.predictor import LatencyModel, RecentQuantile, WorkerLoad
@@ -114,6 +117,8 @@ class Worker:
         """Its ``system_fingerprint`` as a JSON member (empty if it sends none); None: not seen."""
         self.prefixes = PrefixIndex()
         """Prompt prefixes recently routed here (``prefix_aware`` routing)."""
+        self.kv: KVIndex | None = None
+        """The blocks its KV cache events say it holds (None: its events are not followed)."""
         self._occupancy = 0.0
         self._occupancy_at = 0.0
 
@@ -323,6 +328,10 @@ class WorkerPool:
         self._metrics = metrics
         self._clock = clock
         self._resolver = resolver
+        self.kv_events: KVEvents | None = None
+        """The followers of the workers' KV cache events (``prefix_aware`` routing only)."""
+        if settings.kv_events and settings.routing == "prefix_aware":
+            self.kv_events = KVEvents(metrics)
         for spec in settings.workers:
             self._add(spec)
 
@@ -354,6 +363,8 @@ class WorkerPool:
     def _remove_drained(self) -> None:
         for label in [w.label for w in self.workers.values() if w.draining and not w.in_flight]:
             del self.workers[label]
+            if self.kv_events is not None:
+                self.kv_events.forget(label)
             self._gauges.removed(label)
             log.info("worker %s removed", label)
 
@@ -482,6 +493,24 @@ class WorkerPool:
         for model in worker.models:
             self._metrics.start_model(model)
         self.set_up(worker, True, None)
+        if self.kv_events is not None:
+            await self._follow_kv(worker, self.kv_events)
+
+    async def _follow_kv(self, worker: Worker, events: KVEvents) -> None:
+        """Follow the worker's KV cache events where it publishes them, until it no longer does."""
+        timeout = self.settings.connect_timeout_s
+        try:
+            source = await find_source(worker.spec, self._prober.get, timeout)
+        except SourceUnknown:
+            return  # it cannot say now: what is followed is kept
+        if source is None:
+            events.forget(worker.label)
+            worker.kv = None
+            return
+        if worker.kv is None:
+            per_worker = self.settings.prefix_index_mb * 2**20 / KV_ENTRY_BYTES
+            worker.kv = KVIndex(int(per_worker / max(1, len(self.workers))))
+        events.follow(worker.label, source, worker.kv)
 
     async def probe_health(self, worker: Worker) -> None:
         """Probe ``/health``; a worker whose models are unknown also gets ``/v1/models`` read."""
@@ -573,6 +602,8 @@ class WorkerPool:
     async def stop(self) -> None:
         """Stop the background tasks."""
         await self._prober.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
 
 def _describe(exc: BaseException | None) -> str:

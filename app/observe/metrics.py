@@ -896,18 +896,85 @@ METRICS: tuple[MetricSpec, ...] = (
         ),
     ),
     MetricSpec(
+        "worker_kv_events",
+        "counter",
+        "gateway_worker_kv_events",
+        "KV cache events of the worker applied to its block index (prefix_aware routing).",
+        ("worker",),
+        doc=(
+            "KV cache events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) the worker "
+            "published and the gateway applied to its block index"
+        ),
+    ),
+    MetricSpec(
+        "worker_kv_lost",
+        "counter",
+        "gateway_worker_kv_event_batches_lost",
+        "Batches of the worker's KV cache events missed and not replayed: its index restarted.",
+        ("worker",),
+        doc=(
+            "batches of the worker's KV cache events missed and not replayed: its block index "
+            "started over, incomplete (routing then reads the approximate index beside it)"
+        ),
+    ),
+    MetricSpec(
+        "worker_kv_lag",
+        "histogram",
+        "gateway_worker_kv_event_lag_seconds",
+        "From the worker publishing a batch of KV cache events to the gateway applying it.",
+        ("worker",),
+        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        doc=(
+            "from the worker stamping a batch of KV cache events to the gateway applying it "
+            "(the two machines' wall clocks)"
+        ),
+    ),
+    MetricSpec(
+        "worker_kv_blocks",
+        "gauge",
+        "gateway_worker_kv_index_blocks",
+        "KV cache blocks the worker's events say it holds.",
+        ("worker",),
+        multiprocess_mode="livemax",
+        doc="KV cache blocks the worker's own events say it holds (`prefix_aware` routing)",
+    ),
+    MetricSpec(
+        "worker_kv_complete",
+        "gauge",
+        "gateway_worker_kv_index_complete",
+        "1 if the worker's block index has every event since its cache was empty.",
+        ("worker",),
+        multiprocess_mode="livemin",
+        doc=(
+            "1 if the worker's block index holds every event since its cache was last empty "
+            "(routing trusts it alone), 0 if events were missed"
+        ),
+    ),
+    MetricSpec(
+        "prompt_tokenizations",
+        "counter",
+        "gateway_prompt_tokenizations",
+        "Prompts mapped to tokens for prefix_aware routing on KV events, by how.",
+        ("result",),
+        doc=(
+            "prompts mapped to the worker's tokens for routing on KV events: `cached` (a prompt "
+            "seen before), `asked` (the worker's `/tokenize`), `failed` (routed on the "
+            "approximate index)"
+        ),
+    ),
+    MetricSpec(
         "prefix_index_bytes",
         "gauge",
         "gateway_prefix_index_bytes",
         (
-            "Memory held by the prefix_aware index of all workers (capped by "
-            "GATEWAY_PREFIX_INDEX_MB per gateway process)."
+            "Memory held by the prefix_aware indexes of all workers, approximate and from KV "
+            "events (each capped by GATEWAY_PREFIX_INDEX_MB per gateway process)."
         ),
         (),
         multiprocess_mode="livesum",
         doc=(
-            "memory held by the `prefix_aware` index, all workers together (capped by "
-            "`GATEWAY_PREFIX_INDEX_MB`)"
+            "memory held by the `prefix_aware` indexes, approximate and from KV events, all "
+            "workers together (each capped by `GATEWAY_PREFIX_INDEX_MB`)"
         ),
     ),
     # Only with Redis configured: without it there is nothing shared to be down.
@@ -1014,6 +1081,12 @@ class GatewayMetrics:
     worker_prefix_queries: Counter
     worker_prefix_hits: Counter
     worker_prefix_blocks: Gauge
+    worker_kv_events: Counter
+    worker_kv_lost: Counter
+    worker_kv_lag: Histogram
+    worker_kv_blocks: Gauge
+    worker_kv_complete: Gauge
+    prompt_tokenizations: Counter
     prefix_index_bytes: prometheus_client.Gauge
     shared_state_up: prometheus_client.Gauge | None
     library_assumption: Gauge
@@ -1052,6 +1125,8 @@ class GatewayMetrics:
             self.worker_decode_pace, self.worker_prefill_limit, self.worker_prefill_rate,
             self.worker_decode_step, self.worker_decode_per_sequence,
             self.worker_prefix_queries, self.worker_prefix_hits, self.worker_prefix_blocks,
+            self.worker_kv_events, self.worker_kv_lost, self.worker_kv_lag, self.worker_kv_blocks,
+            self.worker_kv_complete,
         )  # fmt: skip
         self._load_at: dict[str, float] = {}
         self._tiers = tuple(tier.name for tier in settings.tiers)
@@ -1122,6 +1197,19 @@ class GatewayMetrics:
         if tokens is not None:
             self.prompt_tokens.labels(model, tier).inc(tokens[0])
             self.completion_tokens.labels(model, tier).inc(tokens[1])
+
+    def kv_events(self, worker: str, events: int, lag_s: float | None) -> None:
+        """``events`` of a batch of ``worker``'s KV cache events, published ``lag_s`` ago.
+
+        A replayed batch (``lag_s`` None) is counted, its age is not a lag.
+        """
+        self.worker_kv_events.labels(worker).inc(events)
+        if lag_s is not None:
+            self.worker_kv_lag.labels(worker).observe(lag_s)
+
+    def kv_events_lost(self, worker: str, batches: int) -> None:
+        """``batches`` of ``worker``'s KV cache events were missed and not replayed."""
+        self.worker_kv_lost.labels(worker).inc(batches)
 
     def record_load(
         self, worker: str, running: float, waiting: float, kv_cache_usage: float, at: float

@@ -1,0 +1,392 @@
+"""Routing on the workers' own KV cache events: the block index, the follower, the tokens.
+
+The real worker's events are tested in tests/test_kv_events_real.py; here the logic, with
+batches encoded as vLLM encodes them (msgpack maps tagged by ``type``).
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from app.api.protocol import Endpoint, ParsedRequest, parse_request
+from app.fleet.kvevents import EventFollower, EventSource, source_from
+from app.fleet.kvindex import KVIndex, chain
+from app.fleet.routing import RouteKey
+from app.fleet.tokens import PromptTokens, Tokenizer, given_tokens, tokenize_body
+from app.settings import WorkerSpec
+from tests.fake_upstream import MODEL
+from tests.test_prefix import _chat, _fleet, _sample
+
+BS = 4  # tokens a block in these tests
+
+
+def _stored(
+    hashes: list[int], parent: int | None, tokens: list[int], **extra: Any
+) -> dict[str, Any]:
+    return {
+        "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+        "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": "GPU",
+        "lora_name": None, "extra_keys": [None] * len(hashes), "group_idx": 0, **extra,
+    }  # fmt: skip
+
+
+def _removed(hashes: list[int]) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+def _batch(*events: dict[str, Any], ts: float = 0.0) -> bytes:
+    return msgspec.msgpack.encode([ts, list(events), 0])
+
+
+PROMPT = list(range(100, 114))  # 14 tokens: 3 whole blocks of 4, and 2 left over
+
+
+def test_a_prompts_blocks_are_keyed_by_every_token_up_to_their_end() -> None:
+    keys = chain(PROMPT, BS)
+    assert len(keys) == 3  # the partial last block is not cached by a worker
+    other = [*PROMPT[:8], 999, *PROMPT[9:]]
+    assert chain(other, BS)[:2] == keys[:2]
+    assert chain(other, BS)[2] != keys[2]
+    # A block's key stands for its whole prefix: the same tokens after another start differ.
+    assert chain([0, *PROMPT[1:]], BS)[1] != keys[1]
+
+
+def test_the_index_holds_what_the_events_say_the_worker_holds() -> None:
+    index = KVIndex(max_blocks=100)
+    keys = chain(PROMPT, BS)
+    assert index.match(keys, 0.0) == 0
+    # Stored in two events, the second chained to the first by the worker's own hash.
+    index.stored([11, 12], None, PROMPT[:8], BS)
+    index.stored([13], 12, PROMPT[8:12], BS)
+    assert index.block_size == BS
+    assert index.match(keys, 0.0) == 3
+    assert len(index) == 3
+    # An evicted block ends the match there, whatever follows it.
+    index.removed([12])
+    assert index.match(keys, 0.0) == 1
+    index.clear()
+    assert index.match(keys, 0.0) == 0
+    assert len(index) == 0
+
+
+def test_blocks_keyed_by_more_than_tokens_or_after_an_unseen_parent_match_nothing() -> None:
+    index = KVIndex(max_blocks=100)
+    keys = chain(PROMPT, BS)
+    # A LoRA adapter's, an image's or a salted block: the tokens alone do not say what it holds.
+    index.stored([21, 22], None, PROMPT[:8], BS, extra_keys=[None, ("salt",)])
+    assert index.match(keys, 0.0) == 1
+    index.clear()
+    # Its parent's event was never seen: nothing can be chained to it, nor to what follows.
+    index.stored([31], 999, PROMPT[:4], BS)
+    index.stored([32], 31, PROMPT[4:8], BS)
+    assert index.match(keys, 0.0) == 0
+    # Removing unkeyed blocks is harmless.
+    index.removed([31, 32, 404])
+    assert len(index) == 0
+
+
+def test_a_routed_prompt_counts_as_held_until_its_events_come_or_it_lapses() -> None:
+    index = KVIndex(max_blocks=100)
+    keys = chain(PROMPT, BS)
+    index.routed(keys, until=10.0)
+    assert index.match(keys, 5.0) == 3
+    assert index.match(keys, 10.5) == 0  # lapsed: its prefill never stored it
+    index.routed(keys, until=20.0)
+    # Its events came: from then on the index alone says, and an eviction is seen.
+    index.stored([1, 2, 3], None, PROMPT[:12], BS)
+    index.removed([2])
+    assert index.match(keys, 5.0) == 1
+    # At most max_blocks routed keys are kept, the oldest dropped first.
+    small = KVIndex(max_blocks=2)
+    small.routed(keys, until=10.0)
+    assert small.match(keys, 0.0) == 0
+    assert small.match(keys[1:], 0.0) == 2
+
+
+def test_an_index_past_its_cap_missed_evictions_and_starts_over_incomplete() -> None:
+    index = KVIndex(max_blocks=2)
+    index.complete = True
+    index.stored([1, 2, 3], None, PROMPT[:12], BS)
+    assert len(index) == 0
+    assert not index.complete
+
+
+class _Counts:
+    def __init__(self) -> None:
+        self.events = 0
+        self.lags: list[float] = []
+        self.lost = 0
+
+    def kv_events(self, worker: str, events: int, lag_s: float | None) -> None:
+        self.events += events
+        if lag_s is not None:
+            self.lags.append(lag_s)
+
+    def kv_events_lost(self, worker: str, batches: int) -> None:
+        self.lost += batches
+
+
+class _Worker:
+    """A scripted publisher: its batches by sequence number, its replay buffer from ``kept``."""
+
+    def __init__(self) -> None:
+        self.batches: list[bytes] = []
+        self.kept = 0
+        self.replays: list[int] = []
+        self.answers = True
+
+    def publish(self, *events: dict[str, Any]) -> tuple[int, bytes]:
+        self.batches.append(_batch(*events, ts=1.0))
+        return len(self.batches) - 1, self.batches[-1]
+
+    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        self.replays.append(start)
+        if not self.answers:
+            return None
+        first = max(start, self.kept)
+        return [(seq, self.batches[seq]) for seq in range(first, len(self.batches))]
+
+
+def _follower(worker: _Worker, replay: bool = True) -> tuple[EventFollower, KVIndex, _Counts]:
+    index, counts = KVIndex(max_blocks=100), _Counts()
+    return EventFollower("w", index, worker.replay if replay else None, counts), index, counts
+
+
+KEYS = chain(PROMPT, BS)
+
+
+async def test_a_follower_catches_up_on_the_history_and_skips_it_when_it_arrives_again() -> None:
+    worker = _Worker()
+    first = worker.publish(_stored([1, 2], None, PROMPT[:8]))
+    follower, index, counts = _follower(worker)
+    await follower.start()
+    assert index.complete  # the history from the first batch on
+    assert index.match(KEYS, 0.0) == 2
+    assert counts.lags == []  # a replayed batch's age is no lag
+    # The subscription delivers the replayed batch too: applied once only.
+    await follower.receive(*first)
+    await follower.receive(*worker.publish(_stored([3], 2, PROMPT[8:12])))
+    assert index.match(KEYS, 0.0) == 3
+    assert counts.events == 2
+    assert len(counts.lags) == 1
+
+
+async def test_a_gap_is_replayed_and_what_cannot_be_is_lost_and_leaves_the_index_incomplete() -> (
+    None
+):
+    worker = _Worker()
+    follower, index, counts = _follower(worker)
+    await follower.start()
+    assert index.complete  # nothing published yet: an empty cache
+    await follower.receive(*worker.publish(_stored([1], None, PROMPT[:4])))
+    worker.publish(_stored([2], 1, PROMPT[4:8]))  # not delivered
+    await follower.receive(*worker.publish(_stored([3], 2, PROMPT[8:12])))
+    assert worker.replays == [0, 1]
+    assert index.match(KEYS, 0.0) == 3
+    assert index.complete
+    assert counts.lost == 0
+    # Two more missed, and the worker's buffer no longer holds them.
+    worker.publish(_removed([3]))
+    worker.publish(_removed([2]))
+    worker.kept = len(worker.batches)
+    await follower.receive(*worker.publish(_stored([9], None, PROMPT[:4])))
+    assert counts.lost == 2
+    assert not index.complete
+    assert index.match(KEYS, 0.0) == 1  # emptied, then the batch that came applied
+
+
+async def test_a_sequence_that_starts_over_is_a_restarted_worker_with_an_empty_cache() -> None:
+    worker = _Worker()
+    follower, index, _ = _follower(worker)
+    await follower.start()
+    for event in (_stored([1], None, PROMPT[:4]), _stored([2], 1, PROMPT[4:8])):
+        await follower.receive(*worker.publish(event))
+    assert index.match(KEYS, 0.0) == 2
+    restarted = _Worker()
+    await follower.receive(*restarted.publish(_stored([7], None, [5, 5, 5, 5])))
+    assert index.match(KEYS, 0.0) == 0
+    assert len(index) == 1
+    assert index.complete
+
+
+async def test_without_a_replay_endpoint_only_a_follower_there_from_the_start_is_complete() -> None:
+    worker = _Worker()
+    follower, index, _ = _follower(worker, replay=False)
+    await follower.start()
+    await follower.receive(*worker.publish(_stored([1], None, PROMPT[:4])))
+    assert index.complete
+    late, late_index, _ = _follower(worker, replay=False)
+    await late.start()
+    await late.receive(*worker.publish(_stored([2], 1, PROMPT[4:8])))
+    assert not late_index.complete
+    assert late_index.match(KEYS, 0.0) == 0  # its parent was never seen
+
+
+async def test_a_cleared_cache_is_complete_and_other_tiers_and_garbage_are_ignored() -> None:
+    worker = _Worker()
+    follower, index, _ = _follower(worker, replay=False)
+    await follower.start()
+    await follower.receive(5, _batch(_stored([1], None, PROMPT[:4])))
+    assert not index.complete
+    await follower.receive(6, _batch({"type": "AllBlocksCleared"}))
+    assert index.complete
+    assert len(index) == 0
+    await follower.receive(7, _batch(_stored([1], None, PROMPT[:4], medium="CPU")))
+    await follower.receive(8, _batch(_stored([1], None, PROMPT[:4], group_idx=1)))
+    await follower.receive(9, b"\xc1 not msgpack")
+    assert len(index) == 0
+    await follower.receive(10, _batch(_stored([1], None, PROMPT[:4])))
+    assert len(index) == 1
+
+
+def test_the_source_is_the_workers_host_for_a_wildcard_and_none_for_what_vllm_connects_to() -> None:
+    config = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:5558", "topic": "kv",
+    }  # fmt: skip
+    assert source_from(config, "10.0.0.7") == EventSource(
+        "tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558", "kv"
+    )
+    assert source_from({**config, "replay_endpoint": None}, "h") == EventSource(
+        "tcp://h:5557", None, "kv"
+    )
+    assert source_from({**config, "endpoint": "tcp://10.0.0.9:5557"}, "h") is None
+    assert source_from({**config, "enable_kv_cache_events": False}, "h") is None
+    assert source_from({**config, "publisher": "null"}, "h") is None
+
+
+def _completion(prompt: Any) -> ParsedRequest:
+    return parse_request(
+        Endpoint.COMPLETIONS, json.dumps({"model": MODEL, "prompt": prompt}).encode()
+    )
+
+
+def test_what_is_asked_to_tokenize_is_what_the_template_sees() -> None:
+    chat = _chat("hello", tools=[{"type": "function", "function": {"name": "f"}}])
+    asked = tokenize_body(chat)
+    assert asked is not None
+    assert asked["messages"] == chat.body["messages"]
+    assert asked["tools"] == chat.body["tools"]
+    assert "max_tokens" not in asked
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    with_image = _chat("x")
+    with_image.body["messages"].append({"role": "user", "content": [image]})
+    assert tokenize_body(with_image) is None
+    assert tokenize_body(_completion("hello")) == {"model": MODEL, "prompt": "hello"}
+    given = given_tokens(_completion([[1, 2, 3], [4]]))
+    assert given is not None
+    assert list(given) == [1, 2, 3]
+    assert given_tokens(_completion("hello")) is None
+
+
+async def test_the_tokenizer_asks_once_per_prompt_and_a_failure_is_no_tokens() -> None:
+    asked: list[dict[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append(body)
+        if "fail" in json.dumps(body):
+            return httpx.Response(500)
+        return httpx.Response(200, json={"count": 3, "tokens": [1, 2, 3]})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    tokenizer = Tokenizer(client, 1.0, 2**20)
+    spec = WorkerSpec(url="http://w:1")
+    request = _chat("hello")
+    known, body = tokenizer.cached(request)
+    assert known is None
+    assert body is not None
+    tokens = await tokenizer.ask(spec, MODEL, body)
+    assert tokens is not None
+    assert list(tokens.tokens) == [1, 2, 3]
+    again, body_again = tokenizer.cached(_chat("hello"))
+    assert again is tokens
+    assert body_again is None
+    assert len(asked) == 1
+    _, failing = tokenizer.cached(_chat("fail"))
+    assert failing is not None
+    assert await tokenizer.ask(spec, MODEL, failing) is None
+    assert tokenizer.cached(_chat("fail"))[1] is not None  # a failure is not cached
+    await client.aclose()
+
+
+async def test_the_tokenizers_cache_keeps_to_its_memory_cap() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"tokens": list(range(1000))})
+
+    one = PromptTokens(array("l", range(1000))).nbytes()
+    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    tokenizer = Tokenizer(client, 1.0, one * 2)
+    spec = WorkerSpec(url="http://w:1")
+    for i in range(5):
+        _, body = tokenizer.cached(_chat(f"question {i}"))
+        assert body is not None
+        assert await tokenizer.ask(spec, MODEL, body) is not None
+    assert one <= tokenizer.cached_bytes <= one * 2
+    assert tokenizer.cached(_chat("question 4"))[0] is not None  # the newest kept
+    assert tokenizer.cached(_chat("question 0"))[0] is None  # the oldest dropped
+    await client.aclose()
+
+
+@pytest.fixture
+def fleet_with_events() -> tuple[Any, Any]:
+    pool, router = _fleet()
+    for worker in pool.workers.values():
+        worker.kv = KVIndex(max_blocks=10_000)
+        worker.kv.complete = True
+    return pool, router
+
+
+def _keyed(router: Any, request: ParsedRequest, tokens: list[int]) -> RouteKey:
+    key = router.route_key(None, request)
+    return RouteKey(key.session, key.prefix, PromptTokens(array("l", tokens)))
+
+
+LONG = list(range(1000, 1000 + 128 * 8))  # 8 blocks of a CPU worker's 128 tokens
+
+
+def test_a_complete_index_is_believed_over_the_guess_an_evicted_prefix_is_not_cached(
+    fleet_with_events: tuple[Any, Any],
+) -> None:
+    pool, router = fleet_with_events
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    request = _chat("a question")
+    key = _keyed(router, request, LONG)
+    prefix = key.prefix
+    assert prefix is not None
+    own = 1024.0
+    # The guess says A holds it all (it was routed there); A's events say it evicted it.
+    a.prefixes.add(prefix.blocks, 10_000)
+    assert router.cached_tokens(a, prefix, own) == pytest.approx(own, rel=0.2)
+    assert router.cached_tokens(a, prefix, own, key.tokens) == 0.0
+    # B's events say it holds the first half: half of the prompt is cached there.
+    b.kv.stored(list(range(4)), None, LONG[: 128 * 4], 128)
+    assert router.cached_tokens(b, prefix, own, key.tokens) == pytest.approx(own / 2)
+    assert router.choose(MODEL, own, key).worker is b
+    # Once events were lost, the guess counts where it says more.
+    a.kv.complete = False
+    assert router.cached_tokens(a, prefix, own, key.tokens) == pytest.approx(own, rel=0.2)
+
+
+def test_a_prompt_just_routed_is_held_there_for_the_next_until_its_events_come(
+    fleet_with_events: tuple[Any, Any],
+) -> None:
+    pool, router = fleet_with_events
+    key = _keyed(router, _chat("a question"), LONG)
+    first = router.choose(MODEL, 1024.0, key).worker
+    follower = _keyed(router, _chat("a question"), [*LONG, 7, 7, 7])
+    assert router.choose(MODEL, 1024.0, follower).worker is first
+    assert _sample(pool, "gateway_worker_predicted_prefix_hit_tokens_total", worker=first.label) > 0
+
+
+async def test_only_a_fleet_following_events_asks_for_tokens() -> None:
+    _pool, router = _fleet()
+    request = _chat("a question")
+    key = router.route_key(None, request)
+    assert await router.tokenized(key, request) is key  # no tokenizer, no events followed
