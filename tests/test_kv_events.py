@@ -6,7 +6,9 @@ batches encoded as vLLM encodes them (msgpack maps tagged by ``type``).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from array import array
 from typing import Any
 
@@ -15,7 +17,7 @@ import msgspec
 import pytest
 
 from app.api.protocol import Endpoint, ParsedRequest, parse_request
-from app.fleet.kvevents import EventFollower, EventSource, source_from
+from app.fleet.kvevents import EventFollower, EventSource, KVEvents, source_from
 from app.fleet.kvindex import KVIndex, chain
 from app.fleet.routing import RouteKey
 from app.fleet.tokens import PromptTokens, Tokenizer, given_tokens, tokenize_body
@@ -390,3 +392,93 @@ async def test_only_a_fleet_following_events_asks_for_tokens() -> None:
     request = _chat("a question")
     key = router.route_key(None, request)
     assert await router.tokenized(key, request) is key  # no tokenizer, no events followed
+
+
+class _Publisher:
+    """vLLM's publisher as its sockets behave: PUB of (topic, seq, batch), a ROUTER replaying
+    its buffer from a start sequence and ending with sequence -1. For faults a real worker
+    does not make on demand: a batch never sent, a buffer that no longer holds it."""
+
+    def __init__(self, context: Any) -> None:
+        import zmq
+
+        self.pub = context.socket(zmq.PUB)
+        self.router = context.socket(zmq.ROUTER)
+        pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        router_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.source = EventSource(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{router_port}")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.seq = 0
+
+    async def publish(self, *events: dict[str, Any], send: bool = True, keep: bool = True) -> None:
+        payload = _batch(*events, ts=time.time())
+        if keep:
+            self.buffer.append((self.seq, payload))
+        if send:
+            await self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+    async def serve_replays(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in self.buffer:
+                if seq >= first:
+                    await self.router.send_multipart(
+                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    )
+            end = (-1).to_bytes(8, "big", signed=True)
+            await self.router.send_multipart([client, b"", b"", end, b""])
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+async def _until(check: Any, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_follower_over_zmq_catches_up_replays_a_gap_and_counts_what_is_lost() -> None:
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context()
+    publisher = _Publisher(context)
+    replays = asyncio.create_task(publisher.serve_replays())
+    counts = _Counts()
+    events = KVEvents(counts)
+    index = KVIndex(max_blocks=100)
+    try:
+        # Published before anyone followed: the history comes from the replay.
+        await publisher.publish(_stored([1], None, PROMPT[:4]))
+        events.follow("w", publisher.source, index)
+        await _until(lambda: index.match(KEYS, 0.0) == 1)
+        assert index.complete
+        # The PUB socket drops what it sends before the subscription reaches it: a harmless
+        # event (the removal of nothing) until one arrives live.
+        deadline = time.monotonic() + 10
+        while not counts.lags:
+            assert time.monotonic() < deadline, "the subscription never received a batch"
+            await publisher.publish(_removed([12345]))
+            await asyncio.sleep(0.05)
+        assert index.complete
+        # A batch the subscriber never got is replayed from the buffer.
+        await publisher.publish(_stored([2], 1, PROMPT[4:8]), send=False)
+        await publisher.publish(_stored([3], 2, PROMPT[8:12]))
+        await _until(lambda: index.match(KEYS, 0.0) == 3)
+        assert counts.lost == 0
+        # One that the buffer no longer holds is lost: the index starts over, incomplete.
+        await publisher.publish(_removed([3]), send=False, keep=False)
+        await publisher.publish(_stored([9], None, [7, 7, 7, 7]))
+        await _until(lambda: counts.lost == 1)
+        assert not index.complete
+        assert index.match(KEYS, 0.0) == 0
+        assert len(index) == 1
+    finally:
+        await events.close()
+        replays.cancel()
+        publisher.close()
+        context.term()

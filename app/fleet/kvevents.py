@@ -257,6 +257,7 @@ class KVEvents:
         self._replay_timeout_s = replay_timeout_s
         self._context: zmq.asyncio.Context | None = None
         self._running: dict[str, tuple[EventSource, asyncio.Task[None]]] = {}
+        self._indexes: dict[str, KVIndex] = {}
 
     def following(self, label: str) -> EventSource | None:
         """The source followed for worker ``label`` (None: none)."""
@@ -270,6 +271,10 @@ class KVEvents:
             if entry[0] == source and not entry[1].done():
                 return
             entry[1].cancel()
+        self._start(label, source, index)
+        log.info("worker %s: following its KV cache events at %s", label, source.endpoint)
+
+    def _start(self, label: str, source: EventSource, index: KVIndex) -> None:
         if self._context is None:
             self._context = zmq.asyncio.Context()
         index.clear()
@@ -278,11 +283,23 @@ class KVEvents:
         follower = EventFollower(label, index, replay, self._counts)
         task = asyncio.create_task(self._run(follower, source), name=f"kv-events-{label}")
         self._running[label] = (source, task)
-        log.info("worker %s: following its KV cache events at %s", label, source.endpoint)
+        self._indexes[label] = index
+
+    def restart(self, label: str) -> None:
+        """Follow worker ``label`` afresh: its index rebuilt from the history it buffers.
+
+        A worker back from being unreachable may have restarted with an empty cache and
+        published nothing since; its sequence alone would not say so until its next event.
+        """
+        entry = self._running.get(label)
+        if entry is not None:
+            entry[1].cancel()
+            self._start(label, entry[0], self._indexes[label])
 
     def forget(self, label: str) -> None:
         """Stop following worker ``label``."""
         entry = self._running.pop(label, None)
+        self._indexes.pop(label, None)
         if entry is not None:
             entry[1].cancel()
 

@@ -564,6 +564,8 @@ class WorkerPool:
             log.info("worker %s is up, serving %s", worker.label, sorted(worker.models))
             # Back from being unreachable, perhaps restarted: its prefix cache may be empty.
             worker.prefixes.clear()
+            if self.kv_events is not None and worker.kv is not None:
+                self.kv_events.restart(worker.label)  # its history read again, from 0
         elif not up and (worker.up or worker.last_seen is None):
             log.warning("worker %s is not answering: %s", worker.label, _describe(error))
         worker.up = up
