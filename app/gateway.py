@@ -142,7 +142,7 @@ class _Parts:
         tokenizer = None
         if pool.kv_events is not None:
             tokenizer = Tokenizer(
-                client, settings.kv_tokenize_timeout_s, int(settings.kv_tokens_cache_mb * 2**20)
+                wire, settings.kv_tokenize_timeout_s, int(settings.kv_tokens_cache_mb * 2**20)
             )
         router = Router(settings, pool, metrics=metrics, tokenizer=tokenizer)
         lag = LoopLagProbe(metrics.loop_lag)

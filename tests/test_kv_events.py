@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from array import array
 from typing import Any
 
 import httpx
@@ -21,9 +20,11 @@ from app.fleet.kvevents import EventFollower, EventSource, KVEvents, source_from
 from app.fleet.kvindex import KVIndex, chain
 from app.fleet.routing import RouteKey
 from app.fleet.tokens import PromptTokens, Tokenizer, given_tokens, tokenize_body
+from app.fleet.wire import WireClient
 from app.settings import WorkerSpec
 from tests.fake_upstream import MODEL
 from tests.test_prefix import _chat, _fleet, _sample
+from tests.wire_bridge import bridge
 
 BS = 4  # tokens a block in these tests
 
@@ -287,53 +288,64 @@ def test_what_is_asked_to_tokenize_is_what_the_template_sees() -> None:
     assert given_tokens(_completion("hello")) is None
 
 
+def _tokenizer(answer: Any, cache_bytes: int = 2**20) -> Tokenizer:
+    """A tokenizer whose worker connections are answered by ``answer`` (an httpx handler)."""
+    return Tokenizer(
+        WireClient(5.0, connector=bridge(httpx.MockTransport(answer))), 1.0, cache_bytes
+    )
+
+
 async def test_the_tokenizer_asks_once_per_prompt_and_a_failure_is_no_tokens() -> None:
-    asked: list[dict[str, Any]] = []
+    asked: list[tuple[str, dict[str, Any]]] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        asked.append(body)
+        asked.append((request.url.path, body))
         if "fail" in json.dumps(body):
             return httpx.Response(500)
-        return httpx.Response(200, json={"count": 3, "tokens": [1, 2, 3]})
+        if "garbage" in json.dumps(body):
+            return httpx.Response(200, json={"count": 3})
+        return httpx.Response(200, json={"count": 8, "tokens": list(range(8))})
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-    tokenizer = Tokenizer(client, 1.0, 2**20)
-    spec = WorkerSpec(url="http://w:1")
+    tokenizer = _tokenizer(answer)
+    spec = WorkerSpec.model_validate({"url": "http://w:1", "api_key": "k"})
     request = _chat("hello")
-    known, body = tokenizer.cached(request)
+    known, body = tokenizer.cached(request, {4})
     assert known is None
     assert body is not None
-    tokens = await tokenizer.ask(spec, MODEL, body)
+    tokens = await tokenizer.ask(spec, MODEL, body, {4})
     assert tokens is not None
-    assert list(tokens.tokens) == [1, 2, 3]
-    again, body_again = tokenizer.cached(_chat("hello"))
+    assert asked[0][0] == "/tokenize"
+    assert asked[0][1]["messages"] == request.body["messages"]
+    assert len(tokens) == 8
+    assert tokens.blocks(4) == chain(list(range(8)), 4)
+    again, body_again = tokenizer.cached(_chat("hello"), {4})
     assert again is tokens
     assert body_again is None
     assert len(asked) == 1
-    _, failing = tokenizer.cached(_chat("fail"))
-    assert failing is not None
-    assert await tokenizer.ask(spec, MODEL, failing) is None
-    assert tokenizer.cached(_chat("fail"))[1] is not None  # a failure is not cached
-    await client.aclose()
+    # A block size the answer was not chained for is asked again.
+    assert tokenizer.cached(_chat("hello"), {4, 16})[1] is not None
+    for word in ("fail", "garbage"):
+        _, failing = tokenizer.cached(_chat(word), {4})
+        assert failing is not None
+        assert await tokenizer.ask(spec, MODEL, failing, {4}) is None
+        assert tokenizer.cached(_chat(word), {4})[1] is not None  # a failure is not cached
 
 
 async def test_the_tokenizers_cache_keeps_to_its_memory_cap() -> None:
     def answer(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"tokens": list(range(1000))})
 
-    one = PromptTokens(array("l", range(1000))).nbytes()
-    client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-    tokenizer = Tokenizer(client, 1.0, one * 2)
-    spec = WorkerSpec(url="http://w:1")
+    one = PromptTokens(list(range(1000)), {16}).nbytes()
+    tokenizer = _tokenizer(answer, one * 2)
+    spec = WorkerSpec.model_validate({"url": "http://w:1"})
     for i in range(5):
-        _, body = tokenizer.cached(_chat(f"question {i}"))
+        _, body = tokenizer.cached(_chat(f"question {i}"), {16})
         assert body is not None
-        assert await tokenizer.ask(spec, MODEL, body) is not None
-    assert one <= tokenizer.cached_bytes <= one * 2
-    assert tokenizer.cached(_chat("question 4"))[0] is not None  # the newest kept
-    assert tokenizer.cached(_chat("question 0"))[0] is None  # the oldest dropped
-    await client.aclose()
+        assert await tokenizer.ask(spec, MODEL, body, {16}) is not None
+    assert tokenizer.cached_bytes == one * 2
+    assert tokenizer.cached(_chat("question 4"), {16})[0] is not None  # the newest kept
+    assert tokenizer.cached(_chat("question 0"), {16})[0] is None  # the oldest dropped
 
 
 @pytest.fixture
@@ -347,7 +359,7 @@ def fleet_with_events() -> tuple[Any, Any]:
 
 def _keyed(router: Any, request: ParsedRequest, tokens: list[int]) -> RouteKey:
     key = router.route_key(None, request)
-    return RouteKey(key.session, key.prefix, PromptTokens(array("l", tokens)))
+    return RouteKey(key.session, key.prefix, PromptTokens(tokens, {128}))
 
 
 LONG = list(range(1000, 1000 + 128 * 8))  # 8 blocks of a CPU worker's 128 tokens

@@ -119,14 +119,14 @@ class Router:
         ]
         if not followed:
             return key
-        size = min(_block_size(w) or 1 for w in followed)
-        if prefix.chars < size // 2:
+        sizes = {size for w in followed if (size := _block_size(w))}
+        if not sizes or prefix.chars < min(sizes) // 2:
             return key  # too short for a whole block: nothing of it can be cached
-        tokens, body = tokenizer.cached(request)
+        tokens, body = tokenizer.cached(request, sizes)
         result = "cached"
         if body is not None:
             asked = min(followed, key=lambda w: w.in_flight)
-            tokens = await tokenizer.ask(asked.spec, request.model, body)
+            tokens = await tokenizer.ask(asked.spec, request.model, body, sizes)
             result = "asked" if tokens is not None else "failed"
         if self._metrics is not None and (tokens is not None or body is not None):
             self._metrics.prompt_tokenizations.labels(result).inc()

@@ -7,26 +7,29 @@ the worker knows all that for sure, so the worker is asked (vLLM's ``/tokenize``
 chat request's ``messages``, ``tools`` and template arguments, or a completion's ``prompt``).
 A prompt given as token ids needs no asking.
 
-Answers are cached by the rendered request, least recently used dropped first, within a memory
-cap: a prompt sent again (a benchmark's, a retried request, the same question to a shared
-system prompt) costs a hash and a lookup. A prompt with parts that are not text (images,
+The block keys of the answers (not the tokens) are cached by the rendered request, least
+recently used dropped first, within a memory cap: a prompt sent again (a benchmark's, a
+retried request) costs a hash and a lookup. A prompt with parts that are not text (images,
 audio) is not asked for: such blocks are keyed by more than their tokens, and routing keeps to
 the approximate index for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
-from array import array
 from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final
+from urllib.parse import urlsplit
 
-import httpx
+import msgspec
 
 from app.api.protocol import Endpoint, ParsedRequest
 from app.fleet.kvindex import chain
+from app.fleet.wire import WireClient, WireError
 from app.settings import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -45,31 +48,44 @@ _COMPLETION_FIELDS: Final = ("add_special_tokens",)
 
 
 class PromptTokens:
-    """A prompt's token ids, and its block keys per block size (computed once each)."""
+    """A prompt's length in tokens and its block keys, per block size the fleet uses.
 
-    __slots__ = ("_chains", "tokens")
+    The keys of each block size are chained once, when the tokens come; the tokens themselves
+    are not kept (a key a block holds what 16-128 token ids would).
+    """
 
-    def __init__(self, tokens: array[int]) -> None:
-        self.tokens = tokens
-        self._chains: dict[int, list[int]] = {}
+    __slots__ = ("_chains", "count")
+
+    def __init__(self, tokens: Sequence[int], block_sizes: Iterable[int]) -> None:
+        self.count = len(tokens)
+        """Tokens in the prompt."""
+        self._chains = {size: chain(tokens, size) for size in set(block_sizes) if size > 0}
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.count
+
+    def covers(self, block_sizes: Iterable[int]) -> bool:
+        """Whether the keys of each of ``block_sizes`` are here."""
+        return all(size in self._chains for size in block_sizes)
 
     def blocks(self, block_size: int) -> list[int]:
-        """The key of each whole block of ``block_size`` tokens (:func:`.kvindex.chain`)."""
-        keys = self._chains.get(block_size)
-        if keys is None:
-            keys = self._chains[block_size] = chain(self.tokens, block_size)
-        return keys
+        """The key of each whole block of ``block_size`` tokens (none if not chained)."""
+        return self._chains.get(block_size, [])
 
     def nbytes(self) -> int:
-        """Memory held, the chains to come included: fixed, for the cache's count to hold.
+        """Memory held: the chains' lists and keys."""
+        keys = sum(len(k) for k in self._chains.values())
+        return sys.getsizeof(self._chains) + keys * _KEY_BYTES + 64 * len(self._chains) + 64
 
-        A chain is a key of about 40 bytes a block: at 16 tokens a block, under a third of the
-        tokens' 8 bytes each.
-        """
-        return sys.getsizeof(self.tokens) * 3 // 2 + 64
+
+class _Answer(msgspec.Struct):
+    """What is read of vLLM's ``/tokenize`` answer."""
+
+    tokens: list[int]
+
+
+_decode = msgspec.json.Decoder(_Answer).decode
+_KEY_BYTES: Final = 8 + sys.getsizeof(1 << 62)
 
 
 def tokenize_body(request: ParsedRequest) -> dict[str, Any] | None:
@@ -97,7 +113,7 @@ def tokenize_body(request: ParsedRequest) -> dict[str, Any] | None:
     return None
 
 
-def given_tokens(request: ParsedRequest) -> array[int] | None:
+def given_tokens(request: ParsedRequest) -> list[int] | None:
     """A completion's prompt given as token ids (the first, of several): no asking needed."""
     if request.endpoint is not Endpoint.COMPLETIONS:
         return None
@@ -105,7 +121,7 @@ def given_tokens(request: ParsedRequest) -> array[int] | None:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return _tokens(prompt)
+        return prompt
     return None
 
 
@@ -121,18 +137,16 @@ def _text_only(messages: list[Any]) -> bool:
     return True
 
 
-def _tokens(ids: list[Any]) -> array[int] | None:
-    try:
-        return array("l", ids)
-    except (TypeError, OverflowError):
-        return None
-
-
 class Tokenizer:
-    """Asks workers for prompts' tokens, and keeps the answers within ``cache_bytes``."""
+    """Asks workers for prompts' tokens, keeping their block keys within ``cache_bytes``.
 
-    def __init__(self, client: httpx.AsyncClient, timeout_s: float, cache_bytes: int) -> None:
-        self._client = client
+    Asked over the relay's own client (:class:`app.fleet.wire.WireClient`): an HTTP exchange
+    through httpx costs the gateway several times the CPU, and the answer of a long prompt is
+    decoded straight into its ids.
+    """
+
+    def __init__(self, wire: WireClient, timeout_s: float, cache_bytes: int) -> None:
+        self._wire = wire
         self._timeout_s = timeout_s
         self._cap = cache_bytes
         self._cache: OrderedDict[tuple[str, int], PromptTokens] = OrderedDict()
@@ -143,44 +157,56 @@ class Tokenizer:
         """Memory the cache holds."""
         return self._bytes
 
-    def cached(self, request: ParsedRequest) -> tuple[PromptTokens | None, bytes | None]:
-        """The tokens of ``request``'s prompt if known now, else what to ask the worker.
+    def cached(
+        self, request: ParsedRequest, block_sizes: Collection[int]
+    ) -> tuple[PromptTokens | None, bytes | None]:
+        """The block keys of ``request``'s prompt if known now, else what to ask the worker.
 
-        ``(tokens, None)``: known (given as ids, or cached); ``(None, body)``: ask ``body``;
-        ``(None, None)``: this prompt is not asked for.
+        ``(tokens, None)``: known (given as ids, or cached with every one of ``block_sizes``);
+        ``(None, body)``: ask ``body``; ``(None, None)``: this prompt is not asked for.
         """
         given = given_tokens(request)
         if given is not None:
-            return PromptTokens(given), None
+            return PromptTokens(given, block_sizes), None
         asked = tokenize_body(request)
         if asked is None:
             return None, None
         body = json.dumps(asked, ensure_ascii=False, separators=(",", ":")).encode()
         key = (request.model, hash(body))
         hit = self._cache.get(key)
-        if hit is not None:
+        if hit is not None and hit.covers(block_sizes):
             self._cache.move_to_end(key)
             return hit, None
         return None, body
 
-    async def ask(self, spec: WorkerSpec, model: str, body: bytes) -> PromptTokens | None:
+    async def ask(
+        self, spec: WorkerSpec, model: str, body: bytes, block_sizes: Collection[int]
+    ) -> PromptTokens | None:
         """Ask the worker of ``spec`` for the tokens of ``body``'s prompt; None if it failed."""
-        headers = {"content-type": "application/json"}
+        url = urlsplit(f"{spec.base_url}/tokenize")
+        tls = url.scheme == "https"
+        port = url.port or (443 if tls else 80)
+        head = _HEAD % (url.path.encode(), url.netloc.encode(), len(body))
         if spec.api_key:
-            headers["authorization"] = f"Bearer {spec.api_key}"
+            head += b"authorization: Bearer %s\r\n" % spec.api_key.encode("latin-1")
+        data = [head + b"\r\n" + body]
         try:
-            response = await self._client.post(
-                f"{spec.base_url}/tokenize", content=body, headers=headers, timeout=self._timeout_s
-            )
-            response.raise_for_status()
-            ids = response.json().get("tokens")
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            async with asyncio.timeout(self._timeout_s):
+                response = await self._wire.request(
+                    url.hostname or "localhost", port, tls, lambda: data
+                )
+                try:
+                    raw = await response.read(_MAX_ANSWER)
+                    ok = response.status == 200 and response.complete
+                finally:
+                    response.close()
+            if not ok:
+                raise ValueError(f"status {response.status}")
+            tokens = _decode(raw).tokens
+        except (TimeoutError, WireError, ValueError, msgspec.DecodeError) as exc:
             log.debug("tokenizing a prompt on %s failed: %r", spec.label, exc)
             return None
-        tokens = _tokens(ids) if isinstance(ids, list) else None
-        if tokens is None:
-            return None
-        found = PromptTokens(tokens)
+        found = PromptTokens(tokens, block_sizes)
         self._keep((model, hash(body)), found)
         return found
 
@@ -197,3 +223,11 @@ class Tokenizer:
         while self._bytes > self._cap:
             _, dropped = cache.popitem(last=False)
             self._bytes -= dropped.nbytes()
+
+
+_HEAD: Final = (
+    b"POST %s HTTP/1.1\r\nhost: %s\r\naccept-encoding: identity\r\n"
+    b"content-type: application/json\r\ncontent-length: %d\r\n"
+)
+# An answer of a million tokens' ids, at most: more is not a tokenizer's answer.
+_MAX_ANSWER: Final = 8 * 2**20
