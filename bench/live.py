@@ -69,17 +69,31 @@ def fresh_text(words: int, rng: random.Random) -> str:
 
 
 def bench_worker(
-    port: int, cpus: str | None = None, *, dev_mode: bool = False, kv_blocks: int | None = None
+    port: int,
+    cpus: str | None = None,
+    *,
+    dev_mode: bool = False,
+    kv_blocks: int | None = None,
+    kv_events: tuple[int, int] | None = None,
 ) -> VllmWorker:
     """A worker serving ``bench-llama`` with the tiny model's tokenizer.
 
     ``dev_mode`` turns on vLLM's development endpoints (``POST /reset_prefix_cache``), so that
     a benchmark can start each run with an empty prefix cache. ``kv_blocks`` sets the size of
-    the KV cache in blocks of 128 tokens (default: 1 GiB, 1,024 blocks).
+    the KV cache in blocks of 128 tokens (default: 1 GiB, 1,024 blocks). ``kv_events``: the
+    ports it publishes its KV cache events and replays them on (ZMQ, bound on every address).
     """
     extra = ["--tokenizer", str(MODEL_DIR)]
     if kv_blocks is not None:
         extra += ["--num-gpu-blocks-override", str(kv_blocks)]
+    if kv_events is not None:
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{kv_events[0]}",
+            "replay_endpoint": f"tcp://*:{kv_events[1]}",
+        }
+        extra += ["--enable-prefix-caching", "--kv-events-config", json.dumps(config)]
     return VllmWorker(
         port=port,
         model_name=BENCH_MODEL,

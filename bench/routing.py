@@ -16,7 +16,9 @@ workload's requests back to back through a ``round_robin`` gateway (both workers
 ``--calibrate`` seconds, and the completed requests per second over the second half of that
 run are the capacity. Policies:
 ``round_robin``, ``predicted_ttft``, ``affinity`` (``predicted_ttft`` with each user's
-``x-session-id``) and ``prefix_aware`` (no session id). Before each policy both workers' prefix
+``x-session-id``), ``prefix_aware`` (no session id, on the gateway's own guess of what each
+worker caches) and ``prefix_kv`` (``prefix_aware`` on the workers' KV cache events, which
+the started workers publish). Before each policy both workers' prefix
 caches are emptied (vLLM's ``/reset_prefix_cache``) and 16 one-turn users, not measured, show
 the service its system prompts; the workers' hit rate is read from their
 ``vllm:prefix_cache_hits_total`` / ``_queries_total`` before and after the measured requests.
@@ -66,7 +68,7 @@ from scripts.vllm_worker import cpu_binding
 # are nearer this regime, their KV cache shared by hundreds of running sequences.
 PREFIX_KV_BLOCKS = 176
 SKEWED_POLICIES = ("round_robin", "least_outstanding", "predicted_ttft", "prefix_aware")
-PREFIX_POLICIES = ("round_robin", "predicted_ttft", "affinity", "prefix_aware")
+PREFIX_POLICIES = ("round_robin", "predicted_ttft", "affinity", "prefix_aware", "prefix_kv")
 
 
 async def _routed(url: str) -> dict[str, float]:
@@ -194,10 +196,13 @@ async def _cache_counters(workers: Sequence[str]) -> dict[str, dict[str, float]]
 
 
 def _prefix_env(workers: Sequence[str], policy: str) -> dict[str, str]:
+    routing = {"affinity": "predicted_ttft", "prefix_kv": "prefix_aware"}.get(policy, policy)
     return {
         "GATEWAY_WORKERS": ",".join(workers),
-        "GATEWAY_ROUTING": "predicted_ttft" if policy == "affinity" else policy,
+        "GATEWAY_ROUTING": routing,
         "GATEWAY_ADMISSION": "false",
+        # prefix_aware on its own guess; prefix_kv on the workers' KV cache events.
+        "GATEWAY_KV_EVENTS": "true" if policy == "prefix_kv" else "false",
     }
 
 
@@ -384,7 +389,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             blocks = args.kv_blocks
             specs = [
-                bench_worker(free_port(), cpu_binding(i, 2), dev_mode=True, kv_blocks=blocks)
+                bench_worker(
+                    free_port(),
+                    cpu_binding(i, 2),
+                    dev_mode=True,
+                    kv_blocks=blocks,
+                    kv_events=(free_port(), free_port()),
+                )
                 for i in range(2)
             ]
             urls = [w.url for w in stack.enter_context(running_workers(specs))]
