@@ -205,6 +205,7 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
         if shared is not None:
             await shared.stop()
         await admission.stop()
+        await parts.router.close()
         await pool.stop()
         parts.wire.close()
         await parts.client.aclose()

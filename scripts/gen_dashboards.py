@@ -1246,6 +1246,75 @@ def prefix_cache_panels() -> list[Json]:
                 }
             ],
         ),
+        panel(
+            "timeseries",
+            "KV cache events: blocks held and completeness",
+            "For workers that publish their KV cache events (vLLM --kv-events-config): the "
+            "blocks their events say they hold, in the gateway replica holding the most, and "
+            "whether every replica's index of them is complete (1: every event since the "
+            "worker's cache was last empty was applied; 0: events were lost and routing reads "
+            "the approximate index beside it, until the worker's cache is emptied again).",
+            refs(
+                [
+                    (
+                        f"max by (worker) (gateway_worker_kv_index_blocks{{{W}}})",
+                        "blocks {{worker}}",
+                    ),
+                    (
+                        f"min by (worker) (gateway_worker_kv_index_complete{{{W}}})",
+                        "complete {{worker}}",
+                    ),
+                ]
+            ),
+            overrides=[
+                {
+                    "matcher": {"id": "byRegexp", "options": "^complete .*"},
+                    "properties": [{"id": "custom.axisPlacement", "value": "right"}],
+                }
+            ],
+        ),
+        panel(
+            "timeseries",
+            "KV cache events: rate, lag, lost",
+            "Events applied per second per worker (summed over gateway replicas), batches "
+            "missed and not replayed per second (each empties that worker's index), and the p99 "
+            "lag from the worker stamping a batch to the gateway applying it (the two machines' "
+            "wall clocks). Prompts mapped to tokens per second by result: asked of a worker's "
+            "/tokenize, cached, or failed (routed on the approximate index).",
+            refs(
+                [
+                    (
+                        f"sum by (worker) (rate(gateway_worker_kv_events_total{{{W}}}[{RATE}]))",
+                        "events/s {{worker}}",
+                    ),
+                    (
+                        "sum by (worker) (rate(gateway_worker_kv_event_batches_lost_total"
+                        f"{{{W}}}[{RATE}]))",
+                        "lost/s {{worker}}",
+                    ),
+                    *quantiles(
+                        "gateway_worker_kv_event_lag_seconds",
+                        W,
+                        "worker",
+                        "lag {{worker}}",
+                        (0.99,),
+                    ),
+                    (
+                        f"sum by (result) (rate(gateway_prompt_tokenizations_total[{RATE}]))",
+                        "prompts/s {{result}}",
+                    ),
+                ]
+            ),
+            overrides=[
+                {
+                    "matcher": {"id": "byRegexp", "options": "^p99 lag .*"},
+                    "properties": [
+                        {"id": "unit", "value": "s"},
+                        {"id": "custom.axisPlacement", "value": "right"},
+                    ],
+                }
+            ],
+        ),
     ]
 
 

@@ -494,3 +494,85 @@ async def test_a_follower_over_zmq_catches_up_replays_a_gap_and_counts_what_is_l
         replays.cancel()
         publisher.close()
         context.term()
+
+
+def _conversation(*turns: str, system: str = "be brief") -> ParsedRequest:
+    return _chat(*turns, system=system)
+
+
+async def test_an_earlier_turns_tokens_route_the_next_and_the_whole_is_asked_behind() -> None:
+    """A conversation's next turn begins with what its earlier turn rendered to."""
+    asked: list[dict[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append(body)
+        # A template rendering message by message: each message two tokens of its own, then
+        # the generation prompt's.
+        ids = [t for m in body["messages"] for t in (len(m["role"]), len(m["content"]))]
+        if body.get("add_generation_prompt", True):
+            ids.append(99)
+        return httpx.Response(200, json={"tokens": ids})
+
+    tokenizer = _tokenizer(answer)
+    spec = WorkerSpec.model_validate({"url": "http://w:1"})
+    first = _conversation("hi")
+    found = tokenizer.lookup(first, {2})
+    assert found.tokens is None
+    assert found.lead is None  # nothing known: the request waits for the whole
+    assert found.ask is not None
+    assert found.lead_ask is not None  # and its system prompt is asked for the next one
+    assert await tokenizer.ask(spec, MODEL, found.ask, {2}) is not None
+    tokenizer.prefetch(spec, MODEL, found.lead_ask, {2})
+    await _settle(tokenizer)
+    # Another user on the same system prompt: its system prompt's blocks are known at once.
+    other = tokenizer.lookup(_conversation("hello"), {2})
+    assert other.tokens is None
+    assert other.lead is not None
+    assert not other.lead.whole
+    assert other.lead.blocks(2) == chain([6, 8], 2)
+    # The next turn of the first conversation: the first turn's whole prompt leads it.
+    second = tokenizer.lookup(_conversation("hi", "hello there", "and?"), {2})
+    assert second.lead is not None
+    assert len(second.lead) == 5
+    assert second.ask is not None
+    tokenizer.prefetch(spec, MODEL, second.ask, {2}, second.lead)
+    await _settle(tokenizer)
+    assert tokenizer.lookup(_conversation("hi", "hello there", "and?"), {2}).tokens is not None
+    # Closing cancels what still runs in the background.
+    third = tokenizer.lookup(_conversation("hi", "hello there", "and?", "so", "then?"), {2})
+    assert third.ask is not None
+    tokenizer.prefetch(spec, MODEL, third.ask, {2}, third.lead)
+    assert tokenizer.asking == 1
+    await tokenizer.close()
+    assert tokenizer.asking == 0
+
+
+async def _settle(tokenizer: Tokenizer) -> None:
+    """Wait until the background asks are done."""
+    deadline = time.monotonic() + 5
+    while tokenizer.asking:
+        assert time.monotonic() < deadline, "a background ask never ended"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_template_that_does_not_render_turn_by_turn_is_asked_whole() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        # Each prompt's ids depend on its length: no earlier prompt begins a later one.
+        n = len(body["messages"])
+        return httpx.Response(200, json={"tokens": [n] * (4 * n)})
+
+    tokenizer = _tokenizer(answer)
+    spec = WorkerSpec.model_validate({"url": "http://w:1"})
+    first = tokenizer.lookup(_conversation("hi"), {2})
+    assert first.ask is not None
+    await tokenizer.ask(spec, MODEL, first.ask, {2})
+    second = tokenizer.lookup(_conversation("hi", "yes", "then?"), {2})
+    assert second.lead is not None
+    assert second.ask is not None
+    tokenizer.prefetch(spec, MODEL, second.ask, {2}, second.lead)
+    await _settle(tokenizer)
+    third = tokenizer.lookup(_conversation("hi", "yes", "then?", "ok", "so?"), {2})
+    assert third.lead is None  # the model's template was seen not to compose
+    assert third.ask is not None

@@ -103,10 +103,10 @@ class Router:
     async def tokenized(self, key: RouteKey, request: ParsedRequest) -> RouteKey:
         """``key`` with the prompt's tokens, if a healthy worker of its model follows KV events.
 
-        Known at once for a prompt given as token ids or seen before; else a worker following
-        its events is asked (the least busy). A prompt too short to fill a block of theirs, one
-        that cannot be asked for (images, audio) or a failed answer leaves ``key`` as it is:
-        routed on the approximate index.
+        The least busy of those workers is asked what is not known
+        (:meth:`app.fleet.tokens.Tokenizer.tokens`). A prompt too short to fill a block of
+        theirs, one that cannot be asked for (images, audio) or a failed answer leaves ``key``
+        as it is: routed on the approximate index.
         """
         tokenizer, prefix = self._tokenizer, key.prefix
         if tokenizer is None or prefix is None:
@@ -122,15 +122,16 @@ class Router:
         sizes = {size for w in followed if (size := _block_size(w))}
         if not sizes or prefix.chars < min(sizes) // 2:
             return key  # too short for a whole block: nothing of it can be cached
-        tokens, body = tokenizer.cached(request, sizes)
-        result = "cached"
-        if body is not None:
-            asked = min(followed, key=lambda w: w.in_flight)
-            tokens = await tokenizer.ask(asked.spec, request.model, body, sizes)
-            result = "asked" if tokens is not None else "failed"
-        if self._metrics is not None and (tokens is not None or body is not None):
+        asked = min(followed, key=lambda w: w.in_flight).spec
+        tokens, result = await tokenizer.tokens(request, sizes, asked)
+        if self._metrics is not None and result is not None:
             self._metrics.prompt_tokenizations.labels(result).inc()
         return key if tokens is None else dataclasses.replace(key, tokens=tokens)
+
+    async def close(self) -> None:
+        """Stop what runs in the background (the tokenizer's asks)."""
+        if self._tokenizer is not None:
+            await self._tokenizer.close()
 
     def default_model(self) -> str:
         """The model of a request that names none: the only model the workers serve.
@@ -323,7 +324,10 @@ class Router:
         if tokens is None or index is None or not size or not len(tokens):
             return self._approximate(worker, prefix, own_tokens)
         matched = index.match(tokens.blocks(size), self._pool.now())
-        precise = own_tokens * min(1.0, matched * size / len(tokens))
+        if tokens.whole:
+            precise = own_tokens * min(1.0, matched * size / len(tokens))
+        else:  # a leading part's: its tokens are a lower bound of the whole prompt's
+            precise = min(own_tokens, float(matched * size))
         if index.complete:
             return precise
         return max(precise, self._approximate(worker, prefix, own_tokens))

@@ -17,11 +17,13 @@ the approximate index for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -54,12 +56,28 @@ class PromptTokens:
     are not kept (a key a block holds what 16-128 token ids would).
     """
 
-    __slots__ = ("_chains", "count")
+    __slots__ = ("_chains", "count", "whole")
 
-    def __init__(self, tokens: Sequence[int], block_sizes: Iterable[int]) -> None:
+    def __init__(
+        self, tokens: Sequence[int], block_sizes: Iterable[int], *, whole: bool = True
+    ) -> None:
         self.count = len(tokens)
-        """Tokens in the prompt."""
+        """Tokens in the prompt (or in its leading part, if not ``whole``)."""
+        self.whole = whole
+        """Whether these are the whole prompt's, or only a leading part's (an earlier turn's)."""
         self._chains = {size: chain(tokens, size) for size in set(block_sizes) if size > 0}
+
+    def lead(self) -> PromptTokens:
+        """The same keys, as a leading part of a longer prompt."""
+        part = PromptTokens((), ())
+        part.count, part.whole, part._chains = self.count, False, self._chains
+        return part
+
+    def starts(self, other: PromptTokens) -> bool:
+        """Whether every chain of ``other`` (a leading part) begins these."""
+        return all(
+            keys == self._chains.get(size, [])[: len(keys)] for size, keys in other._chains.items()
+        )
 
     def __len__(self) -> int:
         return self.count
@@ -137,6 +155,21 @@ def _text_only(messages: list[Any]) -> bool:
     return True
 
 
+@dataclass(slots=True)
+class Lookup:
+    """What is known now of a prompt's tokens (:meth:`Tokenizer.lookup`), and what to ask."""
+
+    tokens: PromptTokens | None = None
+    """The whole prompt's, known now (given as ids, or seen before)."""
+    ask: bytes | None = None
+    """The body asking a worker for the whole prompt (None: known, or not to be asked)."""
+    lead: PromptTokens | None = None
+    """A leading part's, known now: an earlier turn of the conversation, or its messages but
+    the last (the system prompt of a first turn)."""
+    lead_ask: bytes | None = None
+    """The body asking for the messages but the last, to be known for the next request."""
+
+
 class Tokenizer:
     """Asks workers for prompts' tokens, keeping their block keys within ``cache_bytes``.
 
@@ -151,38 +184,147 @@ class Tokenizer:
         self._cap = cache_bytes
         self._cache: OrderedDict[tuple[str, int], PromptTokens] = OrderedDict()
         self._bytes = 0
+        self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._not_composing: set[str] = set()
+        """Models whose chat template was seen not to render turn by turn."""
 
     @property
     def cached_bytes(self) -> int:
         """Memory the cache holds."""
         return self._bytes
 
+    @property
+    def asking(self) -> int:
+        """Asks running in the background."""
+        return len(self._asking)
+
     def cached(
         self, request: ParsedRequest, block_sizes: Collection[int]
     ) -> tuple[PromptTokens | None, bytes | None]:
-        """The block keys of ``request``'s prompt if known now, else what to ask the worker.
+        """The whole prompt's keys if known now, else the body to ask; both None: not asked."""
+        found = self.lookup(request, block_sizes)
+        return found.tokens, found.ask
 
-        ``(tokens, None)``: known (given as ids, or cached with every one of ``block_sizes``);
-        ``(None, body)``: ask ``body``; ``(None, None)``: this prompt is not asked for.
+    def lookup(self, request: ParsedRequest, block_sizes: Collection[int]) -> Lookup:
+        """What is known now of ``request``'s prompt, with every one of ``block_sizes`` chained.
+
+        A chat template renders a conversation message by message, so what an earlier turn (or
+        the messages but the last, without the generation prompt) rendered to begins what this
+        one renders to: its keys are a leading part known at once. That is checked on every
+        answer asked after using one; a model whose template breaks it is not read so again.
         """
         given = given_tokens(request)
         if given is not None:
-            return PromptTokens(given, block_sizes), None
+            return Lookup(PromptTokens(given, block_sizes))
         asked = tokenize_body(request)
         if asked is None:
-            return None, None
-        body = json.dumps(asked, ensure_ascii=False, separators=(",", ":")).encode()
-        key = (request.model, hash(body))
+            return Lookup()
+        body = _render(asked)
+        hit = self._get(request.model, body, block_sizes)
+        if hit is not None:
+            return Lookup(hit)
+        found = Lookup(ask=body)
+        messages = asked.get("messages")
+        if not isinstance(messages, list) or len(messages) < 2:
+            return found
+        if request.model in self._not_composing:
+            return found
+        head = _render({**asked, "messages": messages[:-1], "add_generation_prompt": False})
+        earlier = self._get(
+            request.model, _render({**asked, "messages": messages[:-2]}), block_sizes
+        )
+        if len(messages) < 3:
+            earlier = None
+        leading = self._get(request.model, head, block_sizes)
+        if leading is None:
+            found.lead_ask = head
+        best = max((t for t in (earlier, leading) if t is not None), key=len, default=None)
+        found.lead = None if best is None else best.lead()
+        return found
+
+    async def tokens(
+        self, request: ParsedRequest, block_sizes: Collection[int], spec: WorkerSpec
+    ) -> tuple[PromptTokens | None, str | None]:
+        """The keys to route ``request`` on, asking the worker of ``spec`` what is not known.
+
+        Known at once for a prompt given as ids or seen before (``cached``). Else, when an
+        earlier turn's keys are known, those (``partial``), the whole prompt asked in the
+        background for the next turn; else the request waits for the worker's answer
+        (``asked``, or ``failed``: None). How is the second item; None: not to be asked.
+        """
+        found = self.lookup(request, block_sizes)
+        if found.tokens is not None or found.ask is None:
+            return found.tokens, None if found.tokens is None else "cached"
+        model = request.model
+        if found.lead_ask is not None:
+            self.prefetch(spec, model, found.lead_ask, block_sizes)
+        if found.lead is not None:
+            self.prefetch(spec, model, found.ask, block_sizes, found.lead)
+            return found.lead, "partial"
+        tokens = await self.ask(spec, model, found.ask, block_sizes)
+        return tokens, "asked" if tokens is not None else "failed"
+
+    def _get(self, model: str, body: bytes, block_sizes: Collection[int]) -> PromptTokens | None:
+        key = (model, hash(body))
         hit = self._cache.get(key)
-        if hit is not None and hit.covers(block_sizes):
-            self._cache.move_to_end(key)
-            return hit, None
-        return None, body
+        if hit is None or not hit.covers(block_sizes):
+            return None
+        self._cache.move_to_end(key)
+        return hit
+
+    def prefetch(
+        self,
+        spec: WorkerSpec,
+        model: str,
+        body: bytes,
+        block_sizes: Collection[int],
+        lead: PromptTokens | None = None,
+    ) -> None:
+        """Ask for ``body``'s tokens in the background, to be known for the next request.
+
+        With ``lead``, the leading part used for this one: the answer must begin with it.
+        At most a few at once; one already in flight is not asked again.
+        """
+        key = (model, hash(body))
+        if key in self._asking or len(self._asking) >= _MAX_BACKGROUND:
+            return
+        task = asyncio.create_task(self._prefetch(spec, model, body, block_sizes, lead))
+        self._asking[key] = task
+        task.add_done_callback(lambda _: self._asking.pop(key, None))
+
+    async def _prefetch(
+        self,
+        spec: WorkerSpec,
+        model: str,
+        body: bytes,
+        block_sizes: Collection[int],
+        lead: PromptTokens | None,
+    ) -> None:
+        found = await self.ask(spec, model, body, block_sizes)
+        if found is not None and lead is not None and not found.starts(lead):
+            if model not in self._not_composing:
+                log.warning(
+                    "model %s: an earlier turn's tokens do not begin the next turn's: its chat "
+                    "template is not read turn by turn (each prompt is asked whole)", model,
+                )  # fmt: skip
+            self._not_composing.add(model)
+
+    async def close(self) -> None:
+        """Cancel the asks running in the background."""
+        tasks = list(self._asking.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def ask(
         self, spec: WorkerSpec, model: str, body: bytes, block_sizes: Collection[int]
     ) -> PromptTokens | None:
-        """Ask the worker of ``spec`` for the tokens of ``body``'s prompt; None if it failed."""
+        """Ask the worker of ``spec`` for the tokens of ``body``'s prompt; None if it failed.
+
+        The answer's keys are kept for the next request with the same prompt.
+        """
         url = urlsplit(f"{spec.base_url}/tokenize")
         tls = url.scheme == "https"
         port = url.port or (443 if tls else 80)
@@ -225,6 +367,12 @@ class Tokenizer:
             self._bytes -= dropped.nbytes()
 
 
+def _render(asked: dict[str, Any]) -> bytes:
+    return json.dumps(asked, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# Background asks at once, at most: each is a /tokenize on a worker.
+_MAX_BACKGROUND: Final = 8
 _HEAD: Final = (
     b"POST %s HTTP/1.1\r\nhost: %s\r\naccept-encoding: identity\r\n"
     b"content-type: application/json\r\ncontent-length: %d\r\n"

@@ -958,8 +958,9 @@ METRICS: tuple[MetricSpec, ...] = (
         ("result",),
         doc=(
             "prompts mapped to the worker's tokens for routing on KV events: `cached` (a prompt "
-            "seen before), `asked` (the worker's `/tokenize`), `failed` (routed on the "
-            "approximate index)"
+            "seen before), `partial` (routed on an earlier turn's, the whole asked in the "
+            "background), `asked` (the request waited for the worker's `/tokenize`), `failed` "
+            "(routed on the approximate index)"
         ),
     ),
     MetricSpec(

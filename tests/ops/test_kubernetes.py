@@ -263,9 +263,13 @@ def test_gateway_finds_workers_through_the_headless_service(overlay: str) -> Non
     workers = _one(overlay, "Deployment", "vllm-worker")
     labels = workers["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
-    (container_port,) = _container(workers)["ports"]
-    assert container_port["name"] == port["targetPort"]
-    assert container_port["containerPort"] == port["port"]
+    ports = {p["name"]: p["containerPort"] for p in _container(workers)["ports"]}
+    assert ports[port["targetPort"]] == port["port"]
+    # The KV cache events the gateway follows: published on the ports the container opens.
+    args = _container(workers)["args"]
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    assert events["endpoint"] == f"tcp://*:{ports['kv-events']}"
+    assert events["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
 
 
 def _gateway_settings(
