@@ -29,7 +29,7 @@ from typing import Any, Final
 import httpx
 
 from scripts.processes import stop_process
-from scripts.vllm_worker import MODEL_DIR, ROOT, RUN_DIR, VllmWorker
+from scripts.vllm_worker import MODEL_DIR, ROOT, RUN_DIR, VllmWorker, kv_events_args
 
 BENCH_MODEL: Final = "bench-llama"
 BENCH_MODEL_DIR: Final = ROOT / "models" / "bench-llama"
@@ -87,13 +87,7 @@ def bench_worker(
     if kv_blocks is not None:
         extra += ["--num-gpu-blocks-override", str(kv_blocks)]
     if kv_events is not None:
-        config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{kv_events[0]}",
-            "replay_endpoint": f"tcp://*:{kv_events[1]}",
-        }
-        extra += ["--enable-prefix-caching", "--kv-events-config", json.dumps(config)]
+        extra += kv_events_args(*kv_events)
     return VllmWorker(
         port=port,
         model_name=BENCH_MODEL,

@@ -51,7 +51,6 @@ import resource
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -64,6 +63,7 @@ from types import FrameType
 from typing import Any, Final
 
 from bench.load_client import ClientPool, RoundSpec, ShardResult, merge
+from scripts.vllm_worker import free_port as free_port  # re-exported: the benches take it here
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 _CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -237,14 +237,6 @@ def _child_setup(nofile: int) -> Callable[[], None]:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, max(nofile, hard)))
 
     return setup
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_status(url: str, timeout: float = 1.0) -> int | None:

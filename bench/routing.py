@@ -184,6 +184,18 @@ async def _metric_sums(url: str, names: Sequence[str]) -> dict[str, float]:
     return sums
 
 
+async def _by_label(url: str, name: str, label: str) -> dict[str, float]:
+    """The samples named ``name`` on the page at ``url``/metrics, by their ``label``."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    return {
+        sample.labels[label]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and label in sample.labels
+    }
+
+
 _VLLM_CACHE = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 _PREDICTED = (
     "gateway_worker_predicted_prefix_hit_tokens_total",
@@ -261,11 +273,16 @@ async def _run_prefix_policy(
         before = await _cache_counters(workers)
         routed_before = await _routed(gw)
         predicted_before = await _metric_sums(gw, _PREDICTED)
+        mapped_before = await _by_label(gw, "gateway_prompt_tokenizations_total", "result")
         log(f"{policy}: {len(plan)} requests at {rate:.2f}/s")
         outcomes, elapsed = await run_open(gw, users, plan, args.max_tokens, sessions)
         after = await _cache_counters(workers)
         routed_after = await _routed(gw)
         predicted = await _metric_sums(gw, _PREDICTED)
+        mapped = await _by_label(gw, "gateway_prompt_tokenizations_total", "result")
+    mapped = {k: v - mapped_before.get(k, 0.0) for k, v in mapped.items()}
+    if mapped:
+        log(f"{policy}: prompts mapped to tokens {mapped}")
     predicted = {k: v - predicted_before[k] for k, v in predicted.items()}
     ok = [o for o in outcomes if o.ok]
     ttfts = [o.ttft * 1000 for o in ok if o.ttft is not None]
@@ -291,6 +308,7 @@ async def _run_prefix_policy(
         "output_tokens_per_s": sum(o.completion_tokens for o in ok) / elapsed,
         "max_share": max(routed.values()) / max(1.0, sum(routed.values())),
         "seconds": elapsed,
+        "tokenizations": mapped,
     }
 
 

@@ -26,7 +26,15 @@ from types import FrameType
 from typing import IO
 
 from scripts.processes import stop_process
-from scripts.vllm_worker import ROOT, RUN_DIR, VllmWorker, WorkerError, hardware_for
+from scripts.vllm_worker import (
+    ROOT,
+    RUN_DIR,
+    VllmWorker,
+    WorkerError,
+    free_port,
+    hardware_for,
+    kv_events_args,
+)
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -102,7 +110,9 @@ def _process(
 
 def run(args: argparse.Namespace) -> int:
     """Start the stack, wait for Ctrl-C / SIGTERM, stop it; the exit status."""
-    worker = VllmWorker(args.worker_port, model_name=args.model_name)
+    # Its KV cache events, which the gateway's prefix_aware routing follows.
+    events = kv_events_args(free_port(), free_port())
+    worker = VllmWorker(args.worker_port, model_name=args.model_name, extra_args=events)
     gateway_url = f"http://127.0.0.1:{args.gateway_port}"
     with contextlib.ExitStack() as stack:
         try:

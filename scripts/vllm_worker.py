@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -65,6 +66,29 @@ Runner = Literal["generate", "pooling"]
 # VllmWorker-0 died unexpectedly"), where fp32 answered (docs/benchmarks.md, "The CPU
 # workers' dtype"); on AVX2 bf16 is emulated anyway. So pooling is fp32 wherever it runs here.
 _BF16_RUNNERS: frozenset[Runner] = frozenset({"generate"})
+
+
+def kv_events_args(publish_port: int, replay_port: int) -> list[str]:
+    """VLLM arguments publishing its KV cache events, and replaying them, on these ports.
+
+    Bound on every address (``tcp://*``): vLLM connects, rather than binds, to any other TCP
+    address. The gateway finds them at the worker's ``/kv_event_sources``.
+    """
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{publish_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
+    return ["--enable-prefix-caching", "--kv-events-config", json.dumps(config)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:

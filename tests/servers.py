@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 
 import httpx
@@ -14,15 +13,8 @@ from app.fleet.wire import Connector
 from app.gateway import create_app
 from app.http.server import collect_on_a_timer, server_config
 from app.settings import Settings
+from scripts.vllm_worker import free_port as free_port  # re-exported: the suite takes it here
 from tests.wire_bridge import bridge
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,6 @@ gateway never routed them, and learns of them only from E's events.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.vllm_worker import VllmWorker
+from scripts.vllm_worker import VllmWorker, kv_events_args
 from tests.servers import free_port, running_gateway, settings_for
 from tests.test_real_worker import scrape, total
 from tests.worker_watch import serving
@@ -43,21 +42,8 @@ def _label(url: str) -> str:
 
 
 def _events_worker(port: int, pub: int, replay: int) -> VllmWorker:
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub}",
-        "replay_endpoint": f"tcp://*:{replay}",
-    }
     return VllmWorker(
-        port=port,
-        extra_args=[
-            "--enable-prefix-caching",
-            "--num-gpu-blocks-override",
-            "16",
-            "--kv-events-config",
-            json.dumps(config),
-        ],
+        port=port, extra_args=["--num-gpu-blocks-override", "16", *kv_events_args(pub, replay)]
     )
 
 

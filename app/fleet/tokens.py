@@ -229,17 +229,21 @@ class Tokenizer:
             return found
         if request.model in self._not_composing:
             return found
+        if len(messages) >= 3:
+            turn = _render({**asked, "messages": messages[:-2]})
+            earlier = self._get(request.model, turn, block_sizes)
+            if earlier is not None:
+                found.lead = earlier.lead()
+                return found
+        # No earlier turn known (a first turn, or a conversation this gateway did not see
+        # start): what its messages but the last render to, which other conversations on the
+        # same system prompt share; asked for the next request if not known.
         head = _render({**asked, "messages": messages[:-1], "add_generation_prompt": False})
-        earlier = self._get(
-            request.model, _render({**asked, "messages": messages[:-2]}), block_sizes
-        )
-        if len(messages) < 3:
-            earlier = None
         leading = self._get(request.model, head, block_sizes)
         if leading is None:
             found.lead_ask = head
-        best = max((t for t in (earlier, leading) if t is not None), key=len, default=None)
-        found.lead = None if best is None else best.lead()
+        else:
+            found.lead = leading.lead()
         return found
 
     async def tokens(
