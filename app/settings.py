@@ -223,10 +223,11 @@ class Settings(BaseSettings):
         "prompts recently routed to each worker; the least recently used are dropped first.",
     )
     kv_events: bool = Field(
-        default=True,
+        default=False,
         description="prefix_aware: follow the KV cache events of every worker that publishes "
         "them (vLLM's --kv-events-config, found at /kv_event_sources or set per worker) and route "
-        "on what each worker's cache really holds.",
+        "on what each worker's cache really holds; off by default: on one-core CPU workers the "
+        "/tokenize asks it needs slowed their decode (docs/routing.md).",
     )
     kv_tokenize_timeout_s: float = Field(
         default=1.0,

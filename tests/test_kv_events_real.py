@@ -68,6 +68,7 @@ async def gateway(vllm_worker_url: str, worker_e: VllmWorker) -> AsyncIterator[s
         routing="prefix_aware",
         admission=False,
         load_interval_s=0.2,
+        kv_events=True,
     )
     async with running_gateway(settings) as url:
         await _until(url, lambda page: total(page, "gateway_worker_kv_index_complete") == 1)
