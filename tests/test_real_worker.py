@@ -540,15 +540,19 @@ async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
 
     The TPOT target is the median of a first run, so that the second splits around it (the
     TTFT target is an hour). Both read TPOT over the same stream of tokens, the client from its
-    reads, the gateway from its writes: they differ by a loop's lag over the answer's 23 gaps,
-    so only a request the client saw within 3% of the target may be counted differently.
+    reads (to the stream's end, as vLLM's client judges goodput), the gateway from its writes:
+    they differ by a loop's lag over the answer's 23 gaps, so only a request the client saw
+    within 3% of the target may be counted differently.
     """
     await wait_idle(vllm_worker_url, 5)
     prompts, streams = 24, 4
     settings = settings_for(vllm_worker_url, admission=False)
 
     def tpots_ms(result: Any) -> list[float]:
-        return [sum(gaps) / len(gaps) * 1000 for gaps in result["itls"]]
+        # As vllm bench serve judges goodput: (latency - TTFT) / (output tokens - 1), the end of
+        # the stream included, not the mean of its reads' gaps.
+        runs = zip(result["latencies"], result["ttfts"], result["output_lens"], strict=True)
+        return [(end - ttft) / max(1, n - 1) * 1000 for end, ttft, n in runs]
 
     async with running_gateway(settings) as url:
         first = await _vllm_bench(url, tmp_path / "first.json", prompts, streams)
