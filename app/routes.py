@@ -120,7 +120,7 @@ async def _relay(
         response.headers["x-request-id"] = request_id
         return response
     route = state.router.route_key(_session(header, parsed, state.settings.affinity_header), parsed)
-    if route.prefix is not None:
+    if route.prefix is not None and state.pool.kv_events is not None:  # events followed
         route = await state.router.tokenized(route, parsed)
     ticket = Ticket(
         identity.tier.with_targets(targets.ttft_s, targets.tpot_s),

@@ -20,6 +20,7 @@ import pytest
 
 from scripts.vllm_worker import VllmWorker, kv_events_args
 from tests.servers import free_port, running_gateway, settings_for
+from tests.test_prefix_real import _label
 from tests.test_real_worker import scrape, total
 from tests.worker_watch import serving
 
@@ -35,10 +36,6 @@ def _system(seed: int) -> str:
     """About 900 tokens of the tiny model's tokenizer: 7 whole blocks of 128."""
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(360))
-
-
-def _label(url: str) -> str:
-    return url.removeprefix("http://")
 
 
 def _events_worker(port: int, pub: int, replay: int) -> VllmWorker:
