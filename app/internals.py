@@ -1,6 +1,8 @@
 """The libraries' undocumented parts the gateway leans on, checked once at start-up.
 
-A few subclasses stand on parts of uvicorn that no release promises to keep.
+The front end's protocol class stands on how uvicorn builds it and waits for its connections,
+and the server's drain on methods of uvicorn's ``Server`` it overrides, which no release
+promises to keep.
 ``pyproject.toml`` bounds each of those libraries at the newest minor release the suite passed
 on; this check covers an install that bypasses the bounds (a pinned image, ``--no-deps``). Each
 assumption that does not hold in the versions installed is logged as a warning at start-up,
@@ -21,7 +23,6 @@ from dataclasses import dataclass
 
 import uvicorn
 from uvicorn.server import ServerState
-from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,12 @@ def _protocol_contract(loop: asyncio.AbstractEventLoop) -> list[str]:
     return state + server
 
 
-def _multiprocess(loop: asyncio.AbstractEventLoop) -> list[str]:
-    process = _lacks(Process, ("target", "start", "is_alive", "kill", "join", "server"))
-    process += [f"Process.{name}" for name in _code_names(Process.__init__, ("_server",))]
-    supervisor = _lacks(
-        Multiprocess,
-        ("init_processes", "keep_subprocess_alive", "handle_hup", "handle_ttin", "handle_ttou"),
-    )
-    return process + supervisor
+def _server_hooks(loop: asyncio.AbstractEventLoop) -> list[str]:
+    """What :class:`app.http.server.GatewayServer` overrides and reads of uvicorn's ``Server``."""
+    missing = _lacks(uvicorn.Server, ("startup", "handle_exit"))
+    missing += [f"Server: {n}" for n in _code_names(uvicorn.Server.__init__, ("started",))]
+    serve = [f"Server.serve: {n}" for n in _code_names(uvicorn.Server.serve, ("capture_signals",))]
+    return missing + serve
 
 
 def _code_names(function: Callable[..., object], names: tuple[str, ...]) -> list[str]:
@@ -81,9 +80,10 @@ ASSUMPTIONS = (
         _protocol_contract,
     ),
     Assumption(
-        "uvicorn_multiprocess", "uvicorn",
-        "GATEWAY_PROCESSES above 1 may not start or replace its processes",
-        _multiprocess,
+        "uvicorn_server_hooks", "uvicorn",
+        "SIGTERM may stop the gateway without its drain, and GATEWAY_PROCESSES above 1 may "
+        "restart a process that failed to start",
+        _server_hooks,
     ),
 )  # fmt: skip
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import sys
 
 from app.gateway import build_server, configure_logging
 from app.settings import Settings
@@ -41,7 +42,7 @@ def main() -> None:
     else:
         log.info("open files: limit %d", after)
     if processes > 1:
-        supervise(settings, processes)
+        sys.exit(supervise(settings, processes))
     else:
         build_server(settings).run()
 

@@ -1,12 +1,15 @@
-"""Several gateway processes on one port (``GATEWAY_PROCESSES``): uvicorn's supervisor.
+"""Several gateway processes on one port (``GATEWAY_PROCESSES``): the gateway's own supervisor.
 
-One Python process uses one core. uvicorn's own multiprocess supervisor binds the listening
-socket once and hands it to every child (spawned, not forked), pings each child every half
-second and replaces one that died or stopped answering; SIGTERM or SIGINT to the supervisor
-sends SIGTERM to every child and waits for them. Here each child runs exactly what
+One Python process uses one core. The supervisor binds the listening socket once and hands it
+to every child (spawned, not forked: a child starts from a clean interpreter, with no loop or
+thread of the parent's), checks every half second that each child is alive and replaces one
+that died. A child that ends before its server started (its app or its settings are broken)
+stops them all, since every replacement would fail the same way. Each child runs exactly what
 ``python -m app`` runs with one process (:func:`app.gateway.build_server`): the gateway's own
 server, with its drain on SIGTERM, its garbage-collection policy and its protocol class, so a
-rollout drains every process.
+rollout drains every process. SIGTERM or SIGINT to the supervisor is passed on to every child
+(the first starts each child's drain, a second stops it at once) and the supervisor waits for
+them; SIGHUP, SIGTTIN and SIGTTOU are ignored (restart the pod, or change the setting).
 
 The children share one ``/metrics``: the supervisor makes a private temporary directory for
 prometheus_client's multiprocess mode (:mod:`app.observe.metrics`), hands it to the children in
@@ -17,23 +20,30 @@ limits, requests in flight, arrivals) goes through Redis (:mod:`app.admission.sh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import multiprocessing
 import os
+import signal
 import socket
 import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.context import SpawnProcess
 from pathlib import Path
+from types import FrameType
 
-import uvicorn
 from prometheus_client.multiprocess import mark_process_dead
-from uvicorn.config import STARTUP_FAILURE
-from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
 from app.gateway import build_server, configure_logging
 from app.observe.metrics import MULTIPROCESS_DIR
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+STARTUP_FAILED = 3
+"""A child's exit code when its server never started (its app or settings are broken)."""
 
 
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
@@ -73,100 +83,145 @@ def _cpu_quota(cgroup: Path, cgroup_v1: Path) -> float | None:
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
-class GatewayProcess(Process):
-    """One child: the gateway's own server, built in the child from its environment."""
-
-    @property
-    def server(self) -> uvicorn.Server:
-        """The child's :class:`app.http.server.GatewayServer` (built on first use, in the child)."""
-        if self._server is None:
-            settings = Settings()
-            configure_logging(settings, processes=True)
-            self._server = build_server(settings)
-        return self._server
-
-    def target(self, sockets: list[socket.socket] | None = None) -> None:
-        """Run the server (in the child) on the supervisor's socket."""
-        # Built before the health-check thread that uvicorn starts may ask for it.
-        _ = self.server
-        super().target(sockets)
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket every child serves from, bound (each child's server listens on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
-class GatewaySupervisor(Multiprocess):
-    """uvicorn's :class:`~uvicorn.supervisors.multiprocess.Multiprocess` with gateway children.
+def serve_child(sock: socket.socket) -> None:
+    """One child: the gateway's server, built from the environment, on the supervisor's socket.
 
-    Of uvicorn's signals, SIGHUP (restart every child) and SIGTTIN/SIGTTOU (one more or one
-    fewer) are ignored: restart the pod, or change ``GATEWAY_PROCESSES``.
+    Ends with :data:`STARTUP_FAILED` when the server never started.
+    """
+    settings = Settings()
+    configure_logging(settings, processes=True)
+    server = build_server(settings)
+    try:
+        server.run(sockets=[sock])
+    except Exception:
+        log.exception("the gateway's server failed")
+    finally:
+        if not server.started:
+            # What stopped it (uvicorn exits on a failed lifespan) was logged already.
+            os._exit(STARTUP_FAILED)
+
+
+class Supervisor:
+    """``processes`` children running ``target(sock)``, kept alive until :meth:`stop`.
+
+    Rules: a child that died is replaced, its live gauges dropped from ``metrics_dir``; a child
+    that exited with :data:`STARTUP_FAILED` stops the supervisor; :meth:`stop` passes SIGTERM
+    to every child each time it is called (the gateway drains on the first, stops on the
+    second), and :meth:`run` returns once every child has exited.
     """
 
-    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket], metrics_dir: str):
-        super().__init__(config, sockets)
+    def __init__(
+        self,
+        target: Callable[[socket.socket], None],
+        sock: socket.socket,
+        processes: int,
+        metrics_dir: str | None = None,
+        check_s: float = 0.5,
+    ) -> None:
+        self._target = target
+        self._sock = sock
+        self._count = processes
         self._metrics_dir = metrics_dir
+        self._check_s = check_s
+        self._context = multiprocessing.get_context("spawn")
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.children: list[SpawnProcess] = []
+        """The children running now (replaced ones are dropped)."""
+        self.failed = False
+        """Whether a child failed to start (and so the supervisor stopped)."""
 
-    def _spawn(self) -> GatewayProcess:
-        process = GatewayProcess(self.config, self.sockets)
-        process.start()
-        return process
+    def _spawn(self) -> SpawnProcess:
+        child = self._context.Process(target=self._target, args=(self._sock,), daemon=False)
+        child.start()
+        return child
 
-    def init_processes(self) -> None:
-        """Start the children."""
-        for _ in range(self.processes_num):
-            self.processes.append(self._spawn())
+    def run(self) -> int:
+        """Start the children, keep them alive until stopped; 0, or :data:`STARTUP_FAILED`."""
+        with self._lock:
+            self.children = [self._spawn() for _ in range(self._count)]
+        while not self._stopping.wait(self._check_s):
+            self._keep_alive()
+        for child in self.children:
+            child.join()
+        return STARTUP_FAILED if self.failed else 0
 
-    def keep_subprocess_alive(self) -> None:
-        """Replace a child that died or stopped answering (uvicorn's, with gateway children)."""
-        if self.should_exit.is_set():
-            return
-        for index, process in enumerate(self.processes):
-            if process.is_alive(timeout=self.config.timeout_worker_healthcheck):
-                continue
-            process.kill()  # it may hang rather than be dead
-            process.join()
-            if process.pid is not None:
-                mark_process_dead(process.pid, self._metrics_dir)  # type: ignore[no-untyped-call]
-            if process.exitcode == STARTUP_FAILURE:
-                # Its app or settings are broken: every replacement would fail the same way.
-                log.error("gateway process %s failed to start: stopping", process.pid)
-                self.should_exit.set()
-                return
-            if self.should_exit.is_set():
-                return
-            log.warning(
-                "gateway process %s ended (exit code %s): starting another",
-                process.pid, process.exitcode,
-            )  # fmt: skip
-            self.processes[index] = self._spawn()
+    def _keep_alive(self) -> None:
+        with self._lock:
+            for index, child in enumerate(self.children):
+                if child.is_alive() or self._stopping.is_set():
+                    continue
+                child.join()
+                if self._metrics_dir is not None and child.pid is not None:
+                    mark_process_dead(child.pid, self._metrics_dir)  # type: ignore[no-untyped-call]
+                if child.exitcode == STARTUP_FAILED:
+                    log.error("gateway process %s failed to start: stopping", child.pid)
+                    self.failed = True
+                    self._signal_all()
+                    self._stopping.set()
+                    return
+                log.warning(
+                    "gateway process %s ended (exit code %s): starting another",
+                    child.pid, child.exitcode,
+                )  # fmt: skip
+                self.children[index] = self._spawn()
 
-    def handle_hup(self) -> None:
-        """Ignored (see the class)."""
-        log.warning("SIGHUP ignored: restart the pod to restart the gateway's processes")
+    def stop(self) -> None:
+        """Stop keeping the children alive and pass SIGTERM to each one still running."""
+        self._stopping.set()
+        self._signal_all()
 
-    def handle_ttin(self) -> None:
-        """Ignored (see the class)."""
-        log.warning("SIGTTIN ignored: set GATEWAY_PROCESSES to change the number of processes")
-
-    def handle_ttou(self) -> None:
-        """Ignored (see the class)."""
-        self.handle_ttin()
+    def _signal_all(self) -> None:
+        for child in self.children:
+            if child.pid is not None and child.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGTERM)
 
 
-def supervise(settings: Settings, processes: int) -> None:
-    """Serve ``settings``' port from ``processes`` gateway processes until a signal ends them."""
+def supervise(settings: Settings, processes: int) -> int:
+    """Serve ``settings``' port from ``processes`` gateway processes until a signal ends them.
+
+    Returns the exit code: 0, or :data:`STARTUP_FAILED` when a child could not start.
+    """
     with tempfile.TemporaryDirectory(prefix="gateway-metrics-") as metrics_dir:
         # Read by prometheus_client when a child imports it: children spawned from now on
         # write their samples there.
         os.environ[MULTIPROCESS_DIR] = metrics_dir
-        config = uvicorn.Config(
-            "app.main:main",  # never loaded here: each child builds its own app
-            host=settings.host,
-            port=settings.port,
-            workers=processes,
-            log_level=settings.log_level.lower(),
-        )
-        sock = config.bind_socket()
+        sock = bind(settings.host, settings.port)
+        supervisor = Supervisor(serve_child, sock, processes, metrics_dir)
+
+        def on_stop(signum: int, frame: FrameType | None) -> None:
+            log.info("%s: stopping the gateway processes", signal.Signals(signum).name)
+            # Called between two bytecodes of the main thread, which may hold the lock.
+            threading.Thread(target=supervisor.stop, daemon=True).start()
+
+        def on_ignored(signum: int, frame: FrameType | None) -> None:
+            log.warning(
+                "%s ignored: restart the pod, or set GATEWAY_PROCESSES to change the processes",
+                signal.Signals(signum).name,
+            )
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_stop)
+        for signum in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signum, on_ignored)
         log.info("serving from %d gateway processes", processes)
         try:
-            GatewaySupervisor(config, [sock], metrics_dir).run()
+            return supervisor.run()
         finally:
             sock.close()
             os.environ.pop(MULTIPROCESS_DIR, None)

@@ -24,36 +24,25 @@ async def test_every_assumption_holds_in_the_versions_installed() -> None:
     assert check(asyncio.get_running_loop()) == {a.name: [] for a in ASSUMPTIONS}
 
 
-async def test_a_release_without_a_supervisor_method_is_named_and_costed(
+async def test_a_release_without_a_server_state_member_is_named_and_costed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class LaterProcess:
-        """What a release that renamed a supervised process's methods would give."""
+    class LaterServerState:
+        """What a release that stopped tracking the protocols' tasks would give."""
 
         def __init__(self) -> None:
-            self._server = None
+            self.connections: set[object] = set()
 
-        def target(self) -> None: ...
-
-        def start(self) -> None: ...
-
-        def is_alive(self) -> bool:
-            return False
-
-        def join(self) -> None: ...
-
-        server = None
-
-    monkeypatch.setattr(internals, "Process", LaterProcess)
+    monkeypatch.setattr(internals, "ServerState", LaterServerState)
     with caplog.at_level(logging.WARNING, logger="app.internals"):
         found = check(asyncio.get_running_loop())
-    name = "uvicorn_multiprocess"
-    assert found[name] == ["kill"]
+    name = "uvicorn_protocol_contract"
+    assert found[name] == ["tasks"]
     assert all(not missing for other, missing in found.items() if other != name)
     [record] = caplog.records
     assert f"{name} does not hold (uvicorn" in record.getMessage()
-    assert "missing kill" in record.getMessage()
-    assert "may not start or replace its processes" in record.getMessage()
+    assert "missing tasks" in record.getMessage()
+    assert "may not wait for the requests in flight" in record.getMessage()
 
 
 async def test_a_check_that_raises_does_not_hold(caplog: pytest.LogCaptureFixture) -> None:
@@ -68,7 +57,8 @@ async def test_a_check_that_raises_does_not_hold(caplog: pytest.LogCaptureFixtur
 
 async def test_the_gateway_exports_each_assumption(monkeypatch: pytest.MonkeyPatch) -> None:
     held: dict[str, list[str]] = {a.name: [] for a in ASSUMPTIONS}
-    held["uvicorn_multiprocess"] = ["Process._server"]
+    held["uvicorn_protocol_contract"] = ["tasks"]
+    held["another_assumption"] = []
     monkeypatch.setattr("app.gateway.assumptions_held", lambda: held)
     worker = FakeWorker(_models_only)
     async with (
@@ -78,7 +68,7 @@ async def test_the_gateway_exports_each_assumption(monkeypatch: pytest.MonkeyPat
         text = (await client.get(f"{url}/metrics")).text
     values = dict(re.findall(r'gateway_library_assumption\{assumption="(\w+)"\} (\S+)', text))
     assert values == {
-        a.name: "0.0" if a.name == "uvicorn_multiprocess" else "1.0" for a in ASSUMPTIONS
+        name: "0.0" if name == "uvicorn_protocol_contract" else "1.0" for name in held
     }
 
 

@@ -106,8 +106,9 @@ def test_a_failed_attempt_is_failover_time_not_queue_or_overhead() -> None:
 
 
 def test_batched_itl_histogram_exposes_what_prometheus_client_would() -> None:
-    bounds = [0.001, 0.005, 0.01, 0.1, 1.0]
-    gaps = [0.0005, 0.001, 0.004, 0.005, 0.0051, 0.2, 5.0, 0.01]
+    # Bounds in every form of Go's float text: fractions, integers, exponents from 1e7 on.
+    bounds = [2.5e-05, 0.001, 0.005, 0.01, 0.1, 1.0, 120, 1234567.0, 1e7, 25000000.0]
+    gaps = [0.0005, 0.001, 0.004, 0.005, 0.0051, 0.2, 5.0, 0.01, 2e7, 3e7]
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     batched = BatchHistogram("gateway_x_seconds", "doc", ["model"], bounds, ours)
     plain = Histogram("gateway_x_seconds", "doc", ["model"], buckets=bounds, registry=theirs)

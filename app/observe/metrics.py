@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
-from prometheus_client import utils as prometheus_utils
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -36,8 +36,25 @@ from app.observe.looplag import LAG_BUCKETS
 from app.observe.timing import TimingSummary
 from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
 
-# How prometheus_client writes a bucket bound ("+Inf", "0.005", "1.0").
-_go_float: Callable[[float], str] = prometheus_utils.floatToGoString
+
+def go_float(value: float) -> str:
+    """A bucket bound as Prometheus's text format writes it ("+Inf", "0.005", "1.0", "1e+07").
+
+    Python's shortest repr, but in exponent form from ten million on, as Go writes floats:
+    the ``le`` labels of :class:`BatchHistogram` must be those of prometheus_client's own
+    histograms, whose samples they are merged with in multiprocess mode.
+    """
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    text = repr(float(value))
+    dot = text.find(".")
+    if value > 0 and dot > 6:
+        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
+        return f"{mantissa}e+0{dot - 1}"
+    return text
+
 
 OTHER_MODEL = "other"
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
@@ -127,7 +144,7 @@ class BatchHistogram(Collector):
         if not bounds or bounds[-1] != float("inf"):
             bounds.append(float("inf"))
         self._bounds = tuple(bounds)
-        self._les = tuple(_go_float(b) for b in bounds)
+        self._les = tuple(go_float(b) for b in bounds)
         self._children: dict[tuple[str, ...], BatchHistogramChild] = {}
         # In multiprocess mode prometheus_client's histogram keeps the samples (in the files the
         # pod's /metrics merges); it is registered nowhere, as the files are what is read.
@@ -1010,7 +1027,7 @@ METRICS: tuple[MetricSpec, ...] = (
         doc=(
             "1 where an undocumented part of a library the gateway leans on holds in the "
             "versions installed, 0 where it does not (logged at start-up, with what it costs): "
-            "`uvicorn_protocol_contract`, `uvicorn_multiprocess`. `pyproject.toml` bounds "
+            "`uvicorn_protocol_contract`, `uvicorn_server_hooks`. `pyproject.toml` bounds "
             "those libraries at the "
             "releases the suite passed on; a 0 means an install outside the bounds"
         ),
