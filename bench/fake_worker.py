@@ -18,26 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final
 
-_MAX_HEAD: Final = 64 * 1024
-_MAX_BODY: Final = 8 * 1024 * 1024
-_REASONS: Final = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    411: "Length Required",
-    413: "Content Too Large",
-    431: "Request Header Fields Too Large",
-}
+from bench.worker_http import WorkerConnection, dumps, error_body, run_until_interrupted
+
 _DONE: Final = b"data: [DONE]\n\n"
 _CHUNK_END: Final = b"\r\n"
 _LAST_CHUNK: Final = b"0\r\n\r\n"
@@ -85,19 +75,9 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, words)
 
 
-def dumps(obj: Any) -> bytes:
-    """Compact JSON, as vLLM writes it."""
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
 def http_chunk(payload: bytes) -> bytes:
     """``payload`` framed as one HTTP/1.1 chunk."""
     return b"%x\r\n%b\r\n" % (len(payload), payload)
-
-
-def error_body(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
-    """The error body vLLM sends."""
-    return dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})
 
 
 class WorkerStats:
@@ -225,25 +205,27 @@ class _Stream:
             self._done_cb(False)
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(WorkerConnection):
     """One keep-alive HTTP/1.1 connection; requests are answered one at a time, in order."""
 
     def __init__(self, worker: FakeWorker) -> None:
+        super().__init__()
         self._worker = worker
         self._loop = asyncio.get_running_loop()
-        self._transport: asyncio.Transport | None = None
-        self._buf = bytearray()
         self._busy = False
-        self._keep_alive = True
         self._stream: _Stream | None = None
         self._delayed: asyncio.TimerHandle | None = None
 
+    @property
+    def busy(self) -> bool:
+        """Whether a generation is being answered."""
+        return self._busy
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self._transport = cast(asyncio.Transport, transport)
+        super().connection_made(transport)
         self._worker.stats.connections += 1
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def lost(self) -> None:
         if self._stream is not None:
             self._stream.cancel()
             self._stream = None
@@ -251,68 +233,22 @@ class _Connection(asyncio.Protocol):
             self._delayed.cancel()
             self._delayed = None
             self._finish_generation(completed=False)
-        self._transport = None
 
-    def data_received(self, data: bytes) -> None:
-        self._buf += data
-        if not self._busy:
-            self._parse()
-
-    def _parse(self) -> None:
-        """Handle every complete request in the buffer until one has to wait for its tokens."""
-        while not self._busy and self._transport is not None:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > _MAX_HEAD:
-                    self._reply_and_close(431, "request head too large")
-                return
-            try:
-                method, target, version, headers = parse_head(bytes(self._buf[:end]))
-            except ValueError as exc:
-                self._reply_and_close(400, str(exc))
-                return
-            body_start = end + 4
-            if headers.get("transfer-encoding", "").lower() == "chunked":
-                decoded = dechunk(self._buf, body_start)
-                if decoded is None:
-                    return
-                body, consumed = decoded
-            else:
-                try:
-                    length = int(headers.get("content-length", "0"))
-                except ValueError:
-                    self._reply_and_close(400, "bad content-length")
-                    return
-                if length > _MAX_BODY:
-                    self._reply_and_close(413, "body too large")
-                    return
-                if len(self._buf) < body_start + length:
-                    return
-                body = bytes(self._buf[body_start : body_start + length])
-                consumed = body_start + length
-            del self._buf[:consumed]
-            connection = headers.get("connection", "").lower()
-            if version == "HTTP/1.0":
-                self._keep_alive = connection == "keep-alive"
-            else:
-                self._keep_alive = connection != "close"
-            self._dispatch(method, target.split("?", 1)[0], body)
-
-    def _dispatch(self, method: str, path: str, body: bytes) -> None:
+    def dispatch(self, method: str, path: str, body: bytes) -> None:
         worker = self._worker
         if path in ("/v1/chat/completions", "/v1/completions"):
             if method != "POST":
-                self._reply(405, error_body(405, "Method Not Allowed", "BadRequestError"))
+                self.reply(405, error_body(405, "Method Not Allowed", "BadRequestError"))
                 return
             self._generate(path == "/v1/chat/completions", body)
         elif path == "/health":
-            self._reply(200, b"", content_type=None)
+            self.reply(200, b"", content_type=None)
         elif path == "/v1/models":
-            self._reply(200, worker.models_body)
+            self.reply(200, worker.models_body)
         elif path == "/metrics":
-            self._reply(200, worker.metrics_text(), content_type="text/plain; version=0.0.4")
+            self.reply(200, worker.metrics_text(), content_type="text/plain; version=0.0.4")
         else:
-            self._reply(404, error_body(404, "Not Found", "NotFoundError"))
+            self.reply(404, error_body(404, "Not Found", "NotFoundError"))
 
     def _generate(self, chat: bool, raw: bytes) -> None:
         worker = self._worker
@@ -322,12 +258,12 @@ class _Connection(asyncio.Protocol):
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
         except ValueError as exc:
-            self._reply(400, error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
+            self.reply(400, error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
             return
         model = body.get("model", cfg.model)
         if model != cfg.model:
             message = f"The model `{model}` does not exist."
-            self._reply(404, error_body(404, message, "NotFoundError", "model"))
+            self.reply(404, error_body(404, message, "NotFoundError", "model"))
             return
         n = body.get("max_completion_tokens") if chat else None
         if n is None:
@@ -335,7 +271,7 @@ class _Connection(asyncio.Protocol):
         if n is None:
             n = cfg.tokens
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            self._reply(400, error_body(400, "max_tokens must be at least 1", "BadRequestError"))
+            self.reply(400, error_body(400, "max_tokens must be at least 1", "BadRequestError"))
             return
         prompt = prompt_tokens(body)
         if prompt + n > cfg.max_model_len:
@@ -344,7 +280,7 @@ class _Connection(asyncio.Protocol):
                 f"you requested {prompt + n} tokens ({prompt} in the messages, {n} in the "
                 "completion). Please reduce the length of the messages or completion."
             )
-            self._reply(400, error_body(400, message, "BadRequestError"))
+            self.reply(400, error_body(400, message, "BadRequestError"))
             return
         stream = body.get("stream") is True
         options = body.get("stream_options")
@@ -354,7 +290,7 @@ class _Connection(asyncio.Protocol):
         # ignores these fields; the gateway passes unknown fields through).
         ttft_ms, itl_ms = body.get("fake_ttft_ms", cfg.ttft_ms), body.get("fake_itl_ms", cfg.itl_ms)
         if not all(isinstance(v, int | float) and 0 <= v <= 3_600_000 for v in (ttft_ms, itl_ms)):
-            self._reply(
+            self.reply(
                 400, error_body(400, "fake_ttft_ms/fake_itl_ms: bad value", "BadRequestError")
             )
             return
@@ -365,16 +301,16 @@ class _Connection(asyncio.Protocol):
         worker.stats.running += 1
         worker.stats.started += 1
         if stream:
-            assert self._transport is not None
-            self._transport.write(
+            assert self.transport is not None
+            self.transport.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                 b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
-                + (b"" if self._keep_alive else b"connection: close\r\n")
+                + (b"" if self.keep_alive else b"connection: close\r\n")
                 + b"\r\n"
             )
             self._stream = _Stream(
                 self._loop,
-                self._transport,
+                self.transport,
                 chat=chat,
                 rid=rid,
                 model_json=json.dumps(cfg.model),
@@ -411,9 +347,9 @@ class _Connection(asyncio.Protocol):
         self._delayed = None
         self._finish_generation(completed=True)
         self._busy = False
-        self._reply(200, payload)
-        if self._buf:
-            self._parse()  # a pipelined request arrived meanwhile
+        self.reply(200, payload)
+        if self.buf:
+            self.resume()  # a pipelined request arrived meanwhile
 
     def _stream_done(self, completed: bool) -> None:
         self._stream = None
@@ -421,12 +357,12 @@ class _Connection(asyncio.Protocol):
         if not completed:
             return
         self._busy = False
-        if not self._keep_alive:
-            if self._transport is not None:
-                self._transport.close()
+        if not self.keep_alive:
+            if self.transport is not None:
+                self.transport.close()
             return
-        if self._buf:
-            self._parse()  # a pipelined request arrived meanwhile
+        if self.buf:
+            self.resume()  # a pipelined request arrived meanwhile
 
     def _finish_generation(self, *, completed: bool) -> None:
         stats = self._worker.stats
@@ -435,69 +371,6 @@ class _Connection(asyncio.Protocol):
             stats.completed += 1
         else:
             stats.cancelled += 1
-
-    def _reply(
-        self, status: int, body: bytes, *, content_type: str | None = "application/json"
-    ) -> None:
-        transport = self._transport
-        if transport is None:
-            return
-        head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
-        if content_type is not None:
-            head += f"content-type: {content_type}\r\n"
-        head += f"content-length: {len(body)}\r\n"
-        if not self._keep_alive:
-            head += "connection: close\r\n"
-        transport.write(head.encode() + b"\r\n" + body)
-        if not self._keep_alive:
-            transport.close()
-
-    def _reply_and_close(self, status: int, message: str) -> None:
-        self._keep_alive = False
-        self._reply(status, error_body(status, message, "BadRequestError"))
-        self._buf.clear()
-
-
-def parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
-    """Request line and headers (names lower-cased; a repeated header keeps the last value)."""
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise ValueError("bad request line")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise ValueError("bad header line")
-        headers[name.strip().lower()] = value.strip()
-    return parts[0], parts[1], parts[2], headers
-
-
-def dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
-    """A chunked body starting at ``start``: (body, end offset), or None while incomplete."""
-    body = bytearray()
-    pos = start
-    while True:
-        eol = buf.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        try:
-            size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
-        except ValueError as exc:
-            raise ValueError("bad chunk size") from exc
-        pos = eol + 2
-        if size == 0:
-            # Trailers (rarely sent) end at an empty line.
-            end = buf.find(b"\r\n\r\n", pos - 2)
-            if end < 0:
-                return None
-            return bytes(body), end + 4
-        if len(buf) < pos + size + 2:
-            return None
-        body += buf[pos : pos + size]
-        pos += size + 2
-        if len(body) > _MAX_BODY:
-            raise ValueError("body too large")
 
 
 class FakeWorker:
@@ -580,7 +453,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def _main(args: argparse.Namespace) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    args = _parse_args(argv)
     cfg = WorkerConfig(
         ttft_ms=args.ttft_ms,
         itl_ms=args.itl_ms,
@@ -589,23 +464,7 @@ async def _main(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
     )
-    server = await serve(args.host, args.port, cfg)
-    # The benchmark reads this line to learn the port when it passed --port 0.
-    print(f"fake_worker listening on http://{args.host}:{bound_port(server)}", flush=True)
-    async with server:
-        await server.serve_forever()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line entry point."""
-    args = _parse_args(argv)
-    run: Callable[..., Any] = asyncio.run
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        run = uvloop.run
-    with contextlib.suppress(KeyboardInterrupt):
-        run(_main(args))
+    run_until_interrupted("fake_worker", args.host, lambda: serve(args.host, args.port, cfg))
 
 
 if __name__ == "__main__":

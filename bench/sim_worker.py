@@ -42,23 +42,14 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
-from bench.fake_worker import (
-    dechunk,
-    dumps,
-    error_body,
-    http_chunk,
-    parse_head,
-    prompt_tokens,
-    token_text,
-)
+from bench.fake_worker import http_chunk, prompt_tokens, token_text
+from bench.worker_http import WorkerConnection, dumps, error_body, run_until_interrupted
 
-_MAX_HEAD: Final = 64 * 1024
-_MAX_BODY: Final = 8 * 1024 * 1024
 _DONE: Final = b"data: [DONE]\n\n"
 _LAST_CHUNK: Final = b"0\r\n\r\n"
 _TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -395,80 +386,43 @@ class Engine:
         return text.encode()
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(WorkerConnection):
     """One keep-alive HTTP/1.1 connection; one request at a time, in order."""
 
     def __init__(self, engine: Engine, models_body: bytes) -> None:
+        super().__init__()
         self._engine = engine
         self._models = models_body
-        self._transport: asyncio.Transport | None = None
-        self._buf = bytearray()
         self._seq: Seq | None = None
-        self._keep_alive = True
         self._model_json = json.dumps(engine.config.model)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)
+    @property
+    def busy(self) -> bool:
+        """Whether a generation is being answered."""
+        return self._seq is not None
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._transport = None
+    def lost(self) -> None:
         if self._seq is not None:
             self._engine.abort(self._seq)
             self._seq = None
 
-    def data_received(self, data: bytes) -> None:
-        self._buf += data
-        self._parse()
-
-    def _parse(self) -> None:
-        while self._seq is None and self._transport is not None:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > _MAX_HEAD:
-                    self._reply_and_close(431, "request head too large")
-                return
-            try:
-                method, target, version, headers = parse_head(bytes(self._buf[:end]))
-                start = end + 4
-                if headers.get("transfer-encoding", "").lower() == "chunked":
-                    decoded = dechunk(self._buf, start)
-                    if decoded is None:
-                        return
-                    body, consumed = decoded
-                else:
-                    length = int(headers.get("content-length", "0"))
-                    if length > _MAX_BODY:
-                        raise ValueError("body too large")
-                    if len(self._buf) < start + length:
-                        return
-                    body, consumed = bytes(self._buf[start : start + length]), start + length
-            except ValueError as exc:
-                self._reply_and_close(400, str(exc))
-                return
-            del self._buf[:consumed]
-            connection = headers.get("connection", "").lower()
-            self._keep_alive = (
-                connection == "keep-alive" if version == "HTTP/1.0" else connection != "close"
-            )
-            self._dispatch(method, target.split("?", 1)[0], body)
-
-    def _dispatch(self, method: str, path: str, body: bytes) -> None:
+    def dispatch(self, method: str, path: str, body: bytes) -> None:
         if path in ("/v1/chat/completions", "/v1/completions"):
             if method != "POST":
-                self._reply(405, error_body(405, "Method Not Allowed", "BadRequestError"))
+                self.reply(405, error_body(405, "Method Not Allowed", "BadRequestError"))
             else:
                 self._generate(path == "/v1/chat/completions", body)
         elif path == "/reset_prefix_cache" and method == "POST":
-            self._reply(200, b"", content_type=None)  # no prefix cache: nothing to empty
+            self.reply(200, b"", content_type=None)  # no prefix cache: nothing to empty
         elif path == "/health":
-            self._reply(200, b"", content_type=None)
+            self.reply(200, b"", content_type=None)
         elif path == "/v1/models":
-            self._reply(200, self._models)
+            self.reply(200, self._models)
         elif path == "/metrics":
             text = self._engine.metrics_text()
-            self._reply(200, text, content_type="text/plain; version=0.0.4")
+            self.reply(200, text, content_type="text/plain; version=0.0.4")
         else:
-            self._reply(404, error_body(404, "Not Found", "NotFoundError"))
+            self.reply(404, error_body(404, "Not Found", "NotFoundError"))
 
     def _generate(self, chat: bool, raw: bytes) -> None:
         engine = self._engine
@@ -478,17 +432,17 @@ class _Connection(asyncio.Protocol):
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
         except ValueError as exc:
-            self._reply(400, error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
+            self.reply(400, error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
             return
         n = body.get("max_completion_tokens") if chat else None
         n = body.get("max_tokens") if n is None else n
         n = cfg.default_max_tokens if n is None else n
         priority = body.get("priority", 0)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            self._reply(400, error_body(400, "max_tokens must be at least 1", "BadRequestError"))
+            self.reply(400, error_body(400, "max_tokens must be at least 1", "BadRequestError"))
             return
         if not isinstance(priority, int) or isinstance(priority, bool):
-            self._reply(400, error_body(400, "priority must be an integer", "BadRequestError"))
+            self.reply(400, error_body(400, "priority must be an integer", "BadRequestError"))
             return
         prompt = max(1, round(prompt_tokens(body) * cfg.tokens_per_word))
         if prompt + n > cfg.max_model_len:
@@ -496,7 +450,7 @@ class _Connection(asyncio.Protocol):
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
                 f"you requested {prompt + n} tokens."
             )
-            self._reply(400, error_body(400, message, "BadRequestError"))
+            self.reply(400, error_body(400, message, "BadRequestError"))
             return
         stream = body.get("stream") is True
         options = body.get("stream_options")
@@ -506,18 +460,18 @@ class _Connection(asyncio.Protocol):
             include_usage=isinstance(options, dict) and options.get("include_usage") is True,
             rid=rid, arrival=asyncio.get_running_loop().time(),
         )  # fmt: skip
-        if stream and self._transport is not None:
-            self._transport.write(
+        if stream and self.transport is not None:
+            self.transport.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                 b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
-                + (b"" if self._keep_alive else b"connection: close\r\n")
+                + (b"" if self.keep_alive else b"connection: close\r\n")
                 + b"\r\n"
             )
         engine.add(seq)
 
     def send_tokens(self, seq: Seq, last: bool) -> None:
         """Write the tokens made since the last write as one event (vLLM's SSE bytes)."""
-        transport = self._transport
+        transport = self.transport
         if transport is None:
             return
         out = []
@@ -541,7 +495,7 @@ class _Connection(asyncio.Protocol):
     def finish(self, seq: Seq) -> None:
         """The sequence is done: end its stream (usage, [DONE]) or send its whole answer."""
         self._seq = None
-        transport = self._transport
+        transport = self.transport
         if transport is None:
             return
         usage = {
@@ -572,32 +526,11 @@ class _Connection(asyncio.Protocol):
                 "id": seq.rid, "object": obj, "created": seq.created,
                 "model": self._engine.config.model, "choices": [choice], "usage": usage,
             }  # fmt: skip
-            self._reply(200, dumps(payload))
-        if not self._keep_alive:
+            self.reply(200, dumps(payload))
+        if not self.keep_alive:
             transport.close()
-        elif self._buf:
-            self._parse()  # a pipelined request arrived meanwhile
-
-    def _reply(
-        self, status: int, body: bytes, *, content_type: str | None = "application/json"
-    ) -> None:
-        transport = self._transport
-        if transport is None:
-            return
-        head = f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\n"
-        if content_type is not None:
-            head += f"content-type: {content_type}\r\n"
-        head += f"content-length: {len(body)}\r\n"
-        if not self._keep_alive:
-            head += "connection: close\r\n"
-        transport.write(head.encode() + b"\r\n" + body)
-        if not self._keep_alive:
-            transport.close()
-
-    def _reply_and_close(self, status: int, message: str) -> None:
-        self._keep_alive = False
-        self._reply(status, error_body(status, message, "BadRequestError"))
-        self._buf.clear()
+        elif self.buf:
+            self.resume()  # a pipelined request arrived meanwhile
 
 
 async def serve(
@@ -675,24 +608,15 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def _main(args: argparse.Namespace) -> None:
-    server, _ = await serve(args.host, args.port, config_from(args))
-    port = server.sockets[0].getsockname()[1]
-    print(f"sim_worker listening on http://{args.host}:{port}", flush=True)
-    async with server:
-        await server.serve_forever()
-
-
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point."""
     args = _parse_args(argv)
-    run: Callable[..., Any] = asyncio.run
-    with contextlib.suppress(ImportError):
-        import uvloop
 
-        run = uvloop.run
-    with contextlib.suppress(KeyboardInterrupt):
-        run(_main(args))
+    async def start() -> asyncio.Server:
+        server, _ = await serve(args.host, args.port, config_from(args))
+        return server
+
+    run_until_interrupted("sim_worker", args.host, start)
 
 
 if __name__ == "__main__":
