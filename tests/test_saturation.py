@@ -647,6 +647,40 @@ async def test_a_slow_pace_window_cuts_only_when_the_streams_own_tpot_so_far_mis
     assert limits.cap(worker) == 5  # 10 running x 100 / 300 ms, at most halved
 
 
+def test_a_worker_holding_back_is_limited_to_the_most_it_ran_so_in_the_last_seconds() -> None:
+    limit = ConcurrencyLimit(initial=256, maximum=256, settle_s=5.0)
+    assert limit.hold(64, 0.0)
+    assert limit.limit == 64
+    # A page read as several sequences ended in one step: 58 running, still holding back.
+    # It ran 64 so five seconds ago: that is still what it can run.
+    assert not limit.hold(58, 5.0)
+    assert limit.limit == 64
+    limit.lift(512, 9.0)
+    assert limit.limit == 64
+    # Ten seconds on, only lower readings stand (its cache filled, say): the limit follows.
+    assert limit.hold(40, 14.0)
+    assert limit.limit == 58
+    assert limit.hold(40, 15.5)
+    assert limit.limit == 40
+
+
+async def test_the_limit_a_worker_holding_back_sets_is_the_larger_of_the_two_pages() -> None:
+    pages = [_busy_page(12, 3, 100), _busy_page(10, 5, 112)]
+    settings = settings_for("http://a:1")
+    clock = FakeClock()
+    client = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda r: httpx.Response(200, text=pages.pop(0)))
+    )
+    pool = WorkerPool(settings, client, GatewayMetrics(settings), clock, NoDns())
+    worker = pool.workers["a:1"]
+    await pool.scrape_load(worker)
+    clock.advance(0.5)
+    await pool.scrape_load(worker)
+    # Both pages held requests back; it ran 12 at the first: 10 was a step's dip.
+    assert worker.limit.limit == 12
+    await client.aclose()
+
+
 def test_a_projection_lifts_a_limit_no_higher_than_the_worker_ran_while_holding_back() -> None:
     limit = ConcurrencyLimit(initial=256, maximum=256, settle_s=5.0)
     # The worker held requests back running 64 (its max_num_seqs): the limit is 64.

@@ -18,8 +18,8 @@ window (additive increase, multiplicative decrease):
   ``cooldown_s`` since one overload is seen by every request that lived through it, and from
   the load the miss was measured at when that is lower: the larger of the count in flight
   and the load the stream (or the pace window) ran under (:meth:`ConcurrencyLimit.cut`);
-* a worker that holds requests back for capacity sets the limit to what it runs
-  (:meth:`ConcurrencyLimit.hold`);
+* a worker that holds requests back for capacity sets the limit to the most it ran while
+  doing so in the last seconds (:meth:`ConcurrencyLimit.hold`);
 * so does the worker's live pace (:class:`DecodePace`) when its running streams, together,
   advance slower than the TPOT target: a finished stream tells of a batch it joined seconds
   before;
@@ -38,9 +38,13 @@ window (additive increase, multiplicative decrease):
 from __future__ import annotations
 
 import math
+from collections import deque
 
 # The deepest single cut, however far over its target a latency was.
 _DEEPEST_CUT = 0.5
+# How long a worker's running count, read while it held requests back, stands for what it can
+# run (ConcurrencyLimit.hold).
+_HOLD_WINDOW_S = 10.0
 # Gaps that make an early pace reading: many streams' worth, so one stalled step says little.
 _EARLY_GAPS = 100
 
@@ -49,8 +53,8 @@ class ConcurrencyLimit:
     """Additive-increase / multiplicative-decrease limit on one worker's running requests."""
 
     __slots__ = (
-        "_cooldown", "_decrease", "_draining", "_held", "_initial", "_last_cut", "_settle",
-        "_value", "limit", "maximum", "measured", "minimum",
+        "_cooldown", "_decrease", "_draining", "_held", "_holds", "_initial", "_last_cut",
+        "_settle", "_value", "limit", "maximum", "measured", "minimum",
     )  # fmt: skip
 
     def __init__(
@@ -74,6 +78,7 @@ class ConcurrencyLimit:
         self._last_cut = -math.inf
         self._draining = False
         self._held = math.inf
+        self._holds: deque[tuple[float, float]] = deque()
         self.measured = False
         """Whether a measurement lowered the limit: a miss, the live pace, the worker queueing."""
 
@@ -126,6 +131,7 @@ class ConcurrencyLimit:
         self._last_cut = -math.inf
         self._draining = False
         self._held = math.inf
+        self._holds.clear()
         self.measured = False
 
     def lift(self, to: float, now: float) -> None:
@@ -143,15 +149,25 @@ class ConcurrencyLimit:
             self.value = min(self.maximum, to)
 
     def hold(self, running: float, now: float) -> bool:
-        """The worker runs ``running`` and holds the rest back: that is its limit now.
+        """The worker runs ``running`` and holds the rest back: its limit is what it can run.
 
-        Returns whether the limit fell. Remembered as the most a projection lifts it to.
+        That is the most it was read to run while holding requests back in the last
+        ``_HOLD_WINDOW_S``: a batch at its cap runs fewer for a step now and then (sequences
+        end together, or a long prompt's chunk takes the step's token budget), and a page read
+        at such a step set the limit below the cap; lifts never pass it (:meth:`lift`), so
+        simulated workers of 64 sequences were held at 52-60 for minutes. Returns whether the
+        limit fell; the reading is also the most a projection lifts it to.
         """
-        self._held = running
-        if running >= self.value:
+        holds = self._holds
+        holds.append((now, running))
+        while holds[0][0] < now - _HOLD_WINDOW_S:
+            holds.popleft()
+        most = max(ran for _, ran in holds)
+        self._held = most
+        if most >= self.value:
             return False
         self.measured = True
-        return self._lower(running, now)
+        return self._lower(most, now)
 
     def project(self, to: float, now: float) -> bool:
         """A projection (the learnt decode line's) says ``to`` keep the aim: lower to it.

@@ -544,11 +544,14 @@ class WorkerPool:
             sample = parse_load(response.text, self._clock())
         except (httpx.HTTPError, ValueError):
             return  # the sample ages and counts as busy; health is the probe's business
+        before = worker.load
         saturated = worker.saw_load(
             sample, min(own, worker.in_flight), self.settings.saturation_waiting
         )
-        # A worker that runs all it can and queues the rest: its limit is what it runs.
-        if saturated and worker.limit.hold(sample.running, sample.at):
+        # A worker that runs all it can and queues the rest: its limit is what it runs, which
+        # both pages showed (app.fleet.loadsignals.held_back).
+        ran = sample.running if before is None else max(before.running, sample.running)
+        if saturated and worker.limit.hold(ran, sample.at):
             self._metrics.limit_cut(worker.label, LimitCut.WORKER_QUEUEING)
         self._metrics.record_load(
             worker.label, sample.running, sample.waiting, sample.kv_cache_usage, sample.at
