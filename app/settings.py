@@ -423,7 +423,7 @@ class Settings(BaseSettings):
         description="A worker holding back this many requests for capacity "
         "(vllm:num_requests_waiting_by_reason) on two scrapes in a row, with steps run between "
         "them and no more running than before, is saturated: no more are sent to it, and its "
-        "limit becomes what it runs.",
+        "limit becomes the most it ran so in the last 10 s.",
     )
     saturation_kv_cache: float = Field(
         default=0.8,
