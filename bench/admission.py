@@ -1005,7 +1005,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sim-args",
         default="--max-num-seqs 64 --stream-interval 8",
         help="the simulated workers' command line beyond their port (--engine sim); 8 tokens "
-        "an event keep the client's and the gateway's event rate within a 2-core machine",
+        "an event keep the client's and the gateway's event rate within a 2-core machine; "
+        "they schedule by priority unless this gives --scheduling-policy (fcfs: vLLM's default)",
     )
     parser.add_argument(
         "--time-scale",
@@ -1047,7 +1048,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "--time-scale",
                 f"{scale:g}",
             ]
-            sim_args += ["--scheduling-policy", "priority"]  # as bench_worker's vLLM workers
+            if "--scheduling-policy" not in sim_args:
+                sim_args += ["--scheduling-policy", "priority"]  # as bench_worker's vLLM workers
             fleet = (
                 f"{args.sim_workers} simulated workers (bench.sim_worker {' '.join(sim_args)}; "
                 f"every duration and target x{scale:g})"

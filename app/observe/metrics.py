@@ -146,6 +146,7 @@ class BatchHistogram(Collector):
         self._bounds = tuple(bounds)
         self._les = tuple(go_float(b) for b in bounds)
         self._children: dict[tuple[str, ...], BatchHistogramChild] = {}
+        self._forwarded: dict[tuple[str, ...], EachSampleChild] = {}
         # In multiprocess mode prometheus_client's histogram keeps the samples (in the files the
         # pod's /metrics merges); it is registered nowhere, as the files are what is read.
         self._files = (
@@ -157,22 +158,26 @@ class BatchHistogram(Collector):
         )
         registry.register(self)
 
-    def labels(self, *values: str) -> BatchHistogramChild:
+    def labels(self, *values: str) -> BatchHistogramChild | EachSampleChild:
         """The child for these label values (created at zero on first use)."""
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self._labelnames):
-                raise ValueError(f"{self._name} takes labels {self._labelnames}")
-            if self._files is not None:
-                child = EachSampleChild(self._bounds, self._files.labels(*values))
-            else:
-                child = BatchHistogramChild(self._bounds)
-            self._children[values] = child
-        return child
+        child = self._children.get(values) or self._forwarded.get(values)
+        if child is not None:
+            return child
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name} takes labels {self._labelnames}")
+        if self._files is not None:
+            forwarded = self._forwarded[values] = EachSampleChild(self._files.labels(*values))
+            return forwarded
+        counted = self._children[values] = BatchHistogramChild(self._bounds)
+        return counted
 
     def remove(self, *values: str) -> None:
         """Drop a child's series."""
-        del self._children[values]
+        if self._files is not None:
+            del self._forwarded[values]
+            self._files.remove(*values)
+        else:
+            del self._children[values]
 
     def describe(self) -> list[Metric]:
         """The metric without samples (so registering does not collect)."""
@@ -220,18 +225,17 @@ class BatchHistogramChild:
         self.sum += total
 
 
-class EachSampleChild(BatchHistogramChild):
+class EachSampleChild:
     """A :class:`BatchHistogram`'s child in multiprocess mode: prometheus_client's, per sample.
 
     prometheus_client's own histogram writes the files the pod's ``/metrics`` merges (its
     documented multiprocess mode); no public API writes them for a whole batch, so a request's
-    samples go to it one by one.
+    samples go to it one by one. Nothing is counted here.
     """
 
     __slots__ = ("_child",)
 
-    def __init__(self, bounds: tuple[float, ...], child: prometheus_client.Histogram) -> None:
-        super().__init__(bounds)
+    def __init__(self, child: prometheus_client.Histogram) -> None:
         self._child = child
 
     def observe(self, value: float) -> None:
@@ -293,6 +297,7 @@ class MetricSpec:
         """
         if self.only_with is not None and not getattr(settings, self.only_with):
             return None
+        # Each kind wrapped on its own: Labelled of a union is not a union of Labelled.
         metric: prometheus_client.Counter | prometheus_client.Gauge | prometheus_client.Histogram
         if self.kind == "counter":
             metric = prometheus_client.Counter(
