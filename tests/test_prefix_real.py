@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import hashlib
 import random
-import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -113,8 +112,6 @@ async def test_requests_sharing_a_long_prefix_meet_it_in_one_workers_cache(
     hits_before = {w: total(await scrape(w), "vllm:prefix_cache_hits_total") for w in workers}
     prefixes = [_prefix(seed) for seed in (100, 101, 102)]
     home: list[str] = []
-    cold: list[float] = []
-    warm: list[float] = []
     async with httpx.AsyncClient(timeout=60) as client:
         # Three prefixes land: the first and third wherever routing puts them, the second on
         # the other worker than the first (placed there by a session id, once).
@@ -124,7 +121,7 @@ async def test_requests_sharing_a_long_prefix_meet_it_in_one_workers_cache(
                 other = next(w for w in workers if w != home[0])
                 session = _pinned_to(_label(other), _label(home[0]))
             before = await _routed_to(gateway, workers)
-            cold.append(await _ttft(client, gateway, system, "What happened?", session=session))
+            await _ttft(client, gateway, system, "What happened?", session=session)
             after = await _routed_to(gateway, workers)
             home.append(next(w for w in workers if after[w] > before[w]))
         assert home[0] != home[1]
@@ -133,16 +130,16 @@ async def test_requests_sharing_a_long_prefix_meet_it_in_one_workers_cache(
         for question in ("And what happened next?", "How did it end?"):
             for system, worker in zip(prefixes, home, strict=True):
                 before = await _routed_to(gateway, workers)
-                warm.append(await _ttft(client, gateway, system, question))
+                await _ttft(client, gateway, system, question)
                 after = await _routed_to(gateway, workers)
                 assert after[worker] - before[worker] == 1, (home, before, after)
     # The workers' own counters: each later request found the prefix's whole 128-token blocks
-    # (about 900 tokens: at least 640) in the cache, and its first token came sooner.
+    # (about 900 tokens: at least 640) in the cache. (Not its TTFT: on a tiny model the prefill
+    # saved is within a shared machine's noise; a CI run saw the warm median 8 ms above.)
     hits = 0.0
     for w in workers:
         hits += total(await scrape(w), "vllm:prefix_cache_hits_total") - hits_before[w]
     assert hits >= 6 * 640, hits
-    assert statistics.median(warm) < statistics.median(cold), (cold, warm)
 
 
 def _pinned_to(label: str, other: str) -> str:
