@@ -139,7 +139,6 @@ class Supervisor:
         self._check_s = check_s
         self._context = multiprocessing.get_context("spawn")
         self._stopping = threading.Event()
-        self._lock = threading.Lock()
         self.children: list[SpawnProcess] = []
         """The children running now (replaced ones are dropped)."""
         self.failed = False
@@ -152,8 +151,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Start the children, keep them alive until stopped; 0, or :data:`STARTUP_FAILED`."""
-        with self._lock:
-            self.children = [self._spawn() for _ in range(self._count)]
+        self.children = [self._spawn() for _ in range(self._count)]
         while not self._stopping.wait(self._check_s):
             self._keep_alive()
         for child in self.children:
@@ -161,24 +159,23 @@ class Supervisor:
         return STARTUP_FAILED if self.failed else 0
 
     def _keep_alive(self) -> None:
-        with self._lock:
-            for index, child in enumerate(self.children):
-                if child.is_alive() or self._stopping.is_set():
-                    continue
-                child.join()
-                if self._metrics_dir is not None and child.pid is not None:
-                    mark_process_dead(child.pid, self._metrics_dir)  # type: ignore[no-untyped-call]
-                if child.exitcode == STARTUP_FAILED:
-                    log.error("gateway process %s failed to start: stopping", child.pid)
-                    self.failed = True
-                    self._signal_all()
-                    self._stopping.set()
-                    return
-                log.warning(
-                    "gateway process %s ended (exit code %s): starting another",
-                    child.pid, child.exitcode,
-                )  # fmt: skip
-                self.children[index] = self._spawn()
+        for index, child in enumerate(self.children):
+            if child.is_alive() or self._stopping.is_set():
+                continue
+            child.join()
+            if self._metrics_dir is not None and child.pid is not None:
+                mark_process_dead(child.pid, self._metrics_dir)  # type: ignore[no-untyped-call]
+            if child.exitcode == STARTUP_FAILED:
+                log.error("gateway process %s failed to start: stopping", child.pid)
+                self.failed = True
+                self._signal_all()
+                self._stopping.set()
+                return
+            log.warning(
+                "gateway process %s ended (exit code %s): starting another",
+                child.pid, child.exitcode,
+            )  # fmt: skip
+            self.children[index] = self._spawn()
 
     def stop(self) -> None:
         """Stop keeping the children alive and pass SIGTERM to each one still running."""
@@ -206,7 +203,8 @@ def supervise(settings: Settings, processes: int) -> int:
 
         def on_stop(signum: int, frame: FrameType | None) -> None:
             log.info("%s: stopping the gateway processes", signal.Signals(signum).name)
-            # Called between two bytecodes of the main thread, which may hold the lock.
+            # Called between two bytecodes of the main thread, which may be inside Event.wait
+            # holding the lock Event.set takes: set it from another thread.
             threading.Thread(target=supervisor.stop, daemon=True).start()
 
         def on_ignored(signum: int, frame: FrameType | None) -> None:

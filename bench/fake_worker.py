@@ -26,7 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from bench.worker_http import WorkerConnection, dumps, error_body, run_until_interrupted
+from bench.worker_http import (
+    WorkerConnection,
+    dumps,
+    error_body,
+    run_until_interrupted,
+)
 
 _DONE: Final = b"data: [DONE]\n\n"
 _CHUNK_END: Final = b"\r\n"
@@ -430,12 +435,6 @@ class FakeWorker:
 async def serve(host: str, port: int, cfg: WorkerConfig | None = None) -> asyncio.Server:
     """Start a :class:`FakeWorker` on the running loop; close the returned server to stop it."""
     return await FakeWorker(cfg).serve(host, port)
-
-
-def bound_port(server: asyncio.Server) -> int:
-    """The TCP port ``server`` listens on (useful after asking for port 0)."""
-    port: int = server.sockets[0].getsockname()[1]
-    return port
 
 
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:

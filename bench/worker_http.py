@@ -193,6 +193,12 @@ class _TooLarge(ValueError):
     """A body over :data:`MAX_BODY`."""
 
 
+def bound_port(server: asyncio.Server) -> int:
+    """The TCP port ``server`` listens on (useful after asking for port 0)."""
+    port: int = server.sockets[0].getsockname()[1]
+    return port
+
+
 def run_until_interrupted(
     name: str, host: str, start: Callable[[], Awaitable[asyncio.Server]]
 ) -> None:
@@ -204,8 +210,7 @@ def run_until_interrupted(
 
     async def forever() -> None:
         server = await start()
-        port = server.sockets[0].getsockname()[1]
-        print(f"{name} listening on http://{host}:{port}", flush=True)
+        print(f"{name} listening on http://{host}:{bound_port(server)}", flush=True)
         async with server:
             await server.serve_forever()
 

@@ -26,8 +26,9 @@ from bench.admission import (
     sent,
     workload,
 )
-from bench.fake_worker import FakeWorker, WorkerConfig, bound_port
+from bench.fake_worker import FakeWorker, WorkerConfig
 from bench.live import BENCH_MODEL, Outcome
+from bench.worker_http import bound_port
 
 _PAGE = """\
 # TYPE gateway_worker_limit_cuts_total counter

@@ -18,7 +18,8 @@ from app.api.errors import InvalidRequest
 from app.api.protocol import fairness_id
 from app.fleet.lease import Lease
 from app.settings import ApiKeySpec, Settings
-from bench.fake_worker import FakeWorker, WorkerConfig, bound_port
+from bench.fake_worker import FakeWorker, WorkerConfig
+from bench.worker_http import bound_port
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import running_gateway, settings_for

@@ -15,8 +15,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fake_worker import FakeWorker, WorkerConfig, bound_port, token_text
+from bench.fake_worker import FakeWorker, WorkerConfig, token_text
 from bench.sse_client import SSEConnection
+from bench.worker_http import bound_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_worker import FakeWorker, WorkerConfig, bound_port
+from bench.fake_worker import FakeWorker, WorkerConfig
+from bench.worker_http import bound_port
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -172,10 +172,9 @@ class BatchHistogram(Collector):
         return counted
 
     def remove(self, *values: str) -> None:
-        """Drop a child's series."""
+        """Drop a child's series (in multiprocess mode, the child: the files keep its samples)."""
         if self._files is not None:
             del self._forwarded[values]
-            self._files.remove(*values)
         else:
             del self._children[values]
 
