@@ -539,11 +539,11 @@ async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
     good requests are the gateway's met ones, but for those within a hair of the target.
 
     The TPOT target is the median of a first run, so that the second splits around it (the
-    TTFT target is an hour); a run that splits nothing is run again at its own median. Both
-    read TPOT over the same stream of tokens, the client from its reads (to the stream's end,
-    as vLLM's client judges goodput), the gateway from its writes: they differ by a loop's lag
-    over the answer's 23 gaps, so only a request the client saw within 3% of the target may be
-    counted differently.
+    TTFT target is an hour); a run that splits nothing is run again at its own median, up to
+    six times. Both read TPOT over the same stream of tokens, the client from its reads (to the
+    stream's end, as vLLM's client judges goodput), the gateway from its writes: they differ by
+    a loop's lag over the answer's 23 gaps, so only a request the client saw within 3% of the
+    target may be counted differently.
     """
     await wait_idle(vllm_worker_url, 5)
     prompts, streams = 24, 4
@@ -558,7 +558,8 @@ async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
     async with running_gateway(settings) as url:
         first = await _vllm_bench(url, tmp_path / "first.json", prompts, streams)
         target = sorted(tpots_ms(first))[prompts // 2]
-        for attempt in range(3):
+        for attempt in range(6):
+            used = target
             before = await scrape(url)
             result = await _vllm_bench(
                 url, tmp_path / f"run{attempt}.json", prompts, streams,
@@ -570,11 +571,15 @@ async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
             if 0 < met < prompts:
                 break
             # A run all faster (or all slower) than the one before, as a shared machine gives
-            # now and then: nothing was split, so nothing was compared. Again, at its median.
+            # now and then (one CI run had four in a row, the TPOTs of a run spread only +-9%):
+            # nothing was split, so nothing was compared. Again, at its median.
             target = sorted(tpots_ms(result))[prompts // 2]
     good = round(result["request_goodput"] * result["duration"])
-    near = sum(1 for t in tpots_ms(result) if abs(t - target) <= 0.03 * target)
-    print(f"TPOT target {target:.2f} ms: client good {good}, gateway met {met:.0f}, near {near}")
+    near = sum(1 for t in tpots_ms(result) if abs(t - used) <= 0.03 * used)
+    print(
+        f"TPOT target {used:.2f} ms (run {attempt + 1}): client good {good}, "
+        f"gateway met {met:.0f}, near {near}"
+    )
     assert met + missed == prompts
     assert 0 < met < prompts  # the target split the requests: the comparison means something
     assert abs(good - met) <= near
