@@ -25,6 +25,7 @@ from app.admission.queue import AdmissionController
 from app.admission.shared import SharedState
 from app.api.errors import error_body
 from app.fleet.discovery import LoopResolver, Resolver
+from app.fleet.localtokens import load_tokenizers
 from app.fleet.predictor import PromptSizer
 from app.fleet.routing import Router
 from app.fleet.tokens import Tokenizer
@@ -141,9 +142,9 @@ class _Parts:
         pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
         tokenizer = None
         if pool.kv_events is not None:
-            tokenizer = Tokenizer(
-                wire, settings.kv_tokenize_timeout_s, int(settings.kv_tokens_cache_mb * 2**20)
-            )
+            cache = int(settings.kv_tokens_cache_mb * 2**20)
+            local = load_tokenizers(settings.tokenizers, cache)
+            tokenizer = Tokenizer(wire, settings.kv_tokenize_timeout_s, cache, local)
         router = Router(settings, pool, metrics=metrics, tokenizer=tokenizer)
         lag = LoopLagProbe(metrics.loop_lag)
         limits = Limits(settings, metrics, lag)

@@ -226,8 +226,9 @@ class Settings(BaseSettings):
         default=False,
         description="prefix_aware: follow the KV cache events of every worker that publishes "
         "them (vLLM's --kv-events-config, found at /kv_event_sources or set per worker) and route "
-        "on what each worker's cache really holds; off by default: on one-core CPU workers the "
-        "/tokenize asks it needs slowed their decode (docs/routing.md).",
+        "on what each worker's cache really holds. Give the models' tokenizers "
+        "(`GATEWAY_TOKENIZERS`): without them the workers' /tokenize is asked, which on one-core "
+        "CPU workers slowed their decode (docs/routing.md).",
     )
     kv_tokenize_timeout_s: float = Field(
         default=1.0,
@@ -239,6 +240,12 @@ class Settings(BaseSettings):
         default=16.0,
         ge=0,
         description="Memory cap (MiB) of the prompts' tokens kept for routing on KV events.",
+    )
+    tokenizers: Annotated[dict[str, Path], NoDecode] = Field(
+        default_factory=dict,
+        description="With kv_events: `model=directory` pairs, comma-separated; each directory "
+        "holds the model's tokenizer.json and tokenizer_config.json, and the gateway tokenizes "
+        "that model's prompts itself instead of asking the workers' /tokenize.",
     )
     affinity_header: str | None = Field(
         default="x-session-id",
@@ -488,6 +495,22 @@ class Settings(BaseSettings):
     @classmethod
     def _workers(cls, value: Any) -> Any:
         return _parse_workers(value)
+
+    @field_validator("tokenizers", mode="before")
+    @classmethod
+    def _tokenizers(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("{"):
+            return json.loads(text)
+        pairs = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            model, sep, directory = part.partition("=")
+            if not sep or not model.strip() or not directory.strip():
+                raise ValueError(f"{part!r}: expected model=directory")
+            pairs[model.strip()] = directory.strip()
+        return pairs
 
     @field_validator("cors_origins", mode="before")
     @classmethod

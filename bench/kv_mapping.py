@@ -11,7 +11,12 @@ request of about 4,000 tokens (``--chars`` characters):
 * ``asked``: the worker asked (the request's body rendered, the HTTP exchange over the relay's
   client, the answer's 4,000 ids decoded and its blocks' keys chained and kept), then matched
   against every worker's index;
-* ``cached``: the same prompt again: rendered, looked up, matched (the keys chained once).
+* ``cached``: the same prompt again: rendered, looked up, matched (the keys chained once);
+* ``tokenized here``: each prompt rendered and tokenized in this process from the model's files
+  (``GATEWAY_TOKENIZERS``), its shared system prompt encoded once, then matched; the first
+  three checked against the worker's ``/tokenize``;
+* ``its next turn``: each conversation with an answer and a question more (about 60 words
+  each), tokenized here: only the new messages are encoded.
 
 Timed as this process's CPU time (``time.process_time``) over ``--requests`` sequential
 requests; each worker's index holds half of the prompt's blocks among 5,000 others. A
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import time
 from collections.abc import Sequence
@@ -32,12 +38,14 @@ import httpx
 
 from app.api.protocol import Endpoint, parse_request
 from app.fleet.kvindex import KVIndex
+from app.fleet.localtokens import LocalTokenizer
 from app.fleet.tokens import Tokenizer, tokenize_body
 from app.fleet.wire import WireClient
 from app.settings import WorkerSpec
-from bench.live import BENCH_MODEL, bench_worker, running_workers, write_json
+from bench.live import BENCH_MODEL, bench_worker, prompt_text, running_workers, write_json
 from bench.overhead import free_port
 from bench.prefix_cost import chat_body
+from scripts.vllm_worker import MODEL_DIR
 
 TARGET_US = 1000.0
 
@@ -99,6 +107,33 @@ async def measure(url: str, chars: int, requests: int, workers: int, size: int) 
         keys = tokens.blocks(size)
         matched += sum(index.match(keys, 0.0) for index in indexes)
     cached = (time.process_time() - started) / requests
+    # Tokenized in this process from the model's files: the system prompt's piece is encoded
+    # once, each request's own text every time (no two requests share it).
+    local = LocalTokenizer(MODEL_DIR)
+    mapped = Tokenizer(wire, 30.0, 256 * 2**20, {BENCH_MODEL: local})
+    started = time.process_time()
+    for request in parsed:
+        tokens, how = await mapped.tokens(request, sizes, spec)
+        assert how == "local"
+        assert tokens is not None
+        keys = tokens.blocks(size)
+        matched += sum(index.match(keys, 0.0) for index in indexes)
+    here = (time.process_time() - started) / requests
+    # Each conversation's next turn: its earlier messages' pieces are known, the two new
+    # messages are encoded (the whole prompt's keys chained again).
+    following = [_next_turn(request, random.Random(500 + i)) for i, request in enumerate(parsed)]
+    started = time.process_time()
+    for request in following:
+        tokens, how = await mapped.tokens(request, sizes, spec)
+        assert how == "local"
+        assert tokens is not None
+        matched += sum(index.match(tokens.blocks(size), 0.0) for index in indexes)
+    turn = (time.process_time() - started) / requests
+    await mapped.close()
+    same = True
+    for request in parsed[:3]:
+        theirs = await _worker_ids(url, request)
+        same = same and local.chat(tokenize_body(request) or {}) == theirs
     wire.close()
     assert matched > 0
     return {
@@ -107,18 +142,43 @@ async def measure(url: str, chars: int, requests: int, workers: int, size: int) 
         "prompt_tokens": sum(lengths) / len(lengths),
         "asked_us": asked * 1e6,
         "cached_us": cached * 1e6,
+        "local_us": here * 1e6,
+        "local_turn_us": turn * 1e6,
+        "local_same": same,
     }
+
+
+def _next_turn(request: Any, rng: random.Random) -> Any:
+    """``request`` with an answer and a new question of about 60 words each appended."""
+    body = json.loads(request.raw)
+    body["messages"] += [
+        {"role": "assistant", "content": prompt_text(60, rng)},
+        {"role": "user", "content": prompt_text(60, rng)},
+    ]
+    following = parse_request(Endpoint.CHAT, json.dumps(body).encode())
+    following.model = BENCH_MODEL
+    return following
+
+
+async def _worker_ids(url: str, request: Any) -> list[int]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        answer = await client.post(f"{url}/tokenize", json=tokenize_body(request))
+        ids: list[int] = answer.json()["tokens"]
+        return ids
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| workers | block tokens | prompt tokens | CPU asked µs | CPU cached µs |",
-        "|---:|---:|---:|---:|---:|",
+        "| workers | block tokens | prompt tokens | CPU asked µs | CPU cached µs "
+        "| CPU tokenized here µs | its next turn µs | same ids |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['workers']} | {r['block_size']} | {r['prompt_tokens']:.0f} "
-            f"| {r['asked_us']:.0f} | {r['cached_us']:.0f} |"
+            f"| {r['asked_us']:.0f} | {r['cached_us']:.0f} | {r['local_us']:.0f} "
+            f"| {r['local_turn_us']:.0f} "
+            f"| {'yes' if r['local_same'] else 'NO'} |"
         )
     return "\n".join(lines)
 

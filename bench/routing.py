@@ -18,7 +18,9 @@ run are the capacity. Policies:
 ``round_robin``, ``predicted_ttft``, ``affinity`` (``predicted_ttft`` with each user's
 ``x-session-id``), ``prefix_aware`` (no session id, on the gateway's own guess of what each
 worker caches) and ``prefix_kv`` (``prefix_aware`` on the workers' KV cache events, which
-the started workers publish). Before each policy both workers' prefix
+the started workers publish, the prompts tokenized by the gateway from the model's files;
+``prefix_kv_asked``, only when named, asks the workers' ``/tokenize`` instead). Before each
+policy both workers' prefix
 caches are emptied (vLLM's ``/reset_prefix_cache``) and 16 one-turn users, not measured, show
 the service its system prompts; the workers' hit rate is read from their
 ``vllm:prefix_cache_hits_total`` / ``_queries_total`` before and after the measured requests.
@@ -59,7 +61,7 @@ from bench.live import (
     write_json,
 )
 from bench.overhead import free_port, percentile
-from scripts.vllm_worker import cpu_binding
+from scripts.vllm_worker import MODEL_DIR, cpu_binding
 
 # The prefix workload's KV cache per worker, in 128-token blocks (22,528 tokens): the eight
 # system prompts (88 whole blocks) and the conversations active within a round fit in the two
@@ -68,7 +70,11 @@ from scripts.vllm_worker import cpu_binding
 # are nearer this regime, their KV cache shared by hundreds of running sequences.
 PREFIX_KV_BLOCKS = 176
 SKEWED_POLICIES = ("round_robin", "least_outstanding", "predicted_ttft", "prefix_aware")
-PREFIX_POLICIES = ("round_robin", "predicted_ttft", "affinity", "prefix_aware", "prefix_kv")
+PREFIX_POLICIES = (
+    "round_robin", "predicted_ttft", "affinity", "prefix_aware", "prefix_kv", "prefix_kv_asked",
+)  # fmt: skip
+# What `python -m bench.routing` runs without --policies (prefix_kv_asked: on request).
+DEFAULT_PREFIX_POLICIES = PREFIX_POLICIES[:-1]
 
 
 async def _routed(url: str) -> dict[str, float]:
@@ -208,14 +214,19 @@ async def _cache_counters(workers: Sequence[str]) -> dict[str, dict[str, float]]
 
 
 def _prefix_env(workers: Sequence[str], policy: str) -> dict[str, str]:
-    routing = {"affinity": "predicted_ttft", "prefix_kv": "prefix_aware"}.get(policy, policy)
-    return {
+    kv = policy.startswith("prefix_kv")
+    routing = "predicted_ttft" if policy == "affinity" else "prefix_aware" if kv else policy
+    env = {
         "GATEWAY_WORKERS": ",".join(workers),
         "GATEWAY_ROUTING": routing,
         "GATEWAY_ADMISSION": "false",
-        # prefix_aware on its own guess; prefix_kv on the workers' KV cache events.
-        "GATEWAY_KV_EVENTS": "true" if policy == "prefix_kv" else "false",
+        # prefix_aware on its own guess; prefix_kv on the workers' KV cache events, the
+        # prompts tokenized by the gateway (prefix_kv_asked: by the workers' /tokenize).
+        "GATEWAY_KV_EVENTS": "true" if kv else "false",
     }
+    if policy == "prefix_kv":
+        env["GATEWAY_TOKENIZERS"] = f"{BENCH_MODEL}={MODEL_DIR}"
+    return env
 
 
 async def _warm_gateway(gateway: str, seed: int) -> None:
@@ -370,7 +381,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.kv_blocks is None and args.workload == "prefix":
         args.kv_blocks = PREFIX_KV_BLOCKS
     known = PREFIX_POLICIES if args.workload == "prefix" else SKEWED_POLICIES
-    args.policies = args.policies or list(known)
+    default = DEFAULT_PREFIX_POLICIES if args.workload == "prefix" else SKEWED_POLICIES
+    args.policies = args.policies or list(default)
     if unknown := set(args.policies) - set(known):
         parser.error(f"not a policy of the {args.workload} workload: {sorted(unknown)}")
     return args

@@ -59,13 +59,20 @@ def worker_e(request: pytest.FixtureRequest, ports: tuple[int, int, int]) -> Ite
 
 @pytest.fixture(scope="module")
 async def gateway(vllm_worker_url: str, worker_e: VllmWorker) -> AsyncIterator[str]:
-    """prefix_aware in front of E and B; E's events followed as /kv_event_sources says."""
+    """prefix_aware in front of E and B; E's events followed as /kv_event_sources says.
+
+    The prompts are tokenized by the gateway (the model's files, as ``make run`` sets up):
+    their blocks are found in E's events only if they are cut exactly as E cut them.
+    """
+    from scripts.vllm_worker import MODEL_DIR
+
     settings = settings_for(
         f"{worker_e.url},{vllm_worker_url}",
         routing="prefix_aware",
         admission=False,
         load_interval_s=0.2,
         kv_events=True,
+        tokenizers={MODEL: MODEL_DIR},
     )
     async with running_gateway(settings) as url:
         await _until(url, lambda page: total(page, "gateway_worker_kv_index_complete") == 1)
@@ -123,6 +130,8 @@ async def test_a_prefix_cached_by_others_goes_where_the_events_say_until_it_is_e
             await _chat(client, gateway, shared, question)
         after = await scrape(gateway)
         assert total(after, ROUTED, worker=e) - total(before, ROUTED, worker=e) == 3
+        local = "gateway_prompt_tokenizations_total"
+        assert total(after, local, result="local") - total(before, local, result="local") == 3
         predicted = total(after, PREDICTED, worker=e) - total(before, PREDICTED, worker=e)
         found = await _hits(workers) - hits
         assert found >= 3 * 6 * 128, found

@@ -5,7 +5,10 @@ A worker's events name its cached blocks by the token ids they hold
 template applied, the tools rendered, special tokens added, exactly as the worker will. Only
 the worker knows all that for sure, so the worker is asked (vLLM's ``/tokenize``, which takes a
 chat request's ``messages``, ``tools`` and template arguments, or a completion's ``prompt``).
-A prompt given as token ids needs no asking.
+A prompt given as token ids needs no asking. With the model's tokenizer files at hand
+(``GATEWAY_TOKENIZERS``), the gateway renders and tokenizes the prompt itself
+(:mod:`app.fleet.localtokens`) and asks the worker only what it cannot render; its first
+answers per model are compared with the worker's, and a copy that differs is given up.
 
 The block keys of the answers (not the tokens) are cached by the rendered request, least
 recently used dropped first, within a memory cap: a prompt sent again (a benchmark's, a
@@ -22,7 +25,8 @@ import json
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -31,6 +35,7 @@ import msgspec
 
 from app.api.protocol import Endpoint, ParsedRequest
 from app.fleet.kvindex import chain
+from app.fleet.localtokens import LocalTokenizer
 from app.fleet.wire import WireClient, WireError
 from app.settings import WorkerSpec
 
@@ -81,6 +86,12 @@ class PromptTokens:
 
     def __len__(self) -> int:
         return self.count
+
+    def same(self, other: PromptTokens) -> bool:
+        """Whether ``other`` holds the same tokens, as far as the chains of both tell."""
+        return self.count == other.count and all(
+            keys == other._chains.get(size) for size, keys in self._chains.items()
+        )
 
     def covers(self, block_sizes: Iterable[int]) -> bool:
         """Whether the keys of each of ``block_sizes`` are here."""
@@ -178,8 +189,19 @@ class Tokenizer:
     decoded straight into its ids.
     """
 
-    def __init__(self, wire: WireClient, timeout_s: float, cache_bytes: int) -> None:
+    def __init__(
+        self,
+        wire: WireClient,
+        timeout_s: float,
+        cache_bytes: int,
+        local: Mapping[str, LocalTokenizer] | None = None,
+    ) -> None:
         self._wire = wire
+        self._local = dict(local or {})
+        self._unchecked = dict.fromkeys(self._local, _LOCAL_CHECKS)
+        self._checking: set[asyncio.Task[None]] = set()
+        # Long prompts are tokenized here off the event loop (the encoding lets go of the GIL).
+        self._executor = ThreadPoolExecutor(1, "gateway-tokenize") if self._local else None
         self._timeout_s = timeout_s
         self._cap = cache_bytes
         self._cache: OrderedDict[tuple[str, int], PromptTokens] = OrderedDict()
@@ -205,13 +227,16 @@ class Tokenizer:
         found = self.lookup(request, block_sizes)
         return found.tokens, found.ask
 
-    def lookup(self, request: ParsedRequest, block_sizes: Collection[int]) -> Lookup:
+    def lookup(
+        self, request: ParsedRequest, block_sizes: Collection[int], leads: bool = True
+    ) -> Lookup:
         """What is known now of ``request``'s prompt, with every one of ``block_sizes`` chained.
 
         A chat template renders a conversation message by message, so what an earlier turn (or
         the messages but the last, without the generation prompt) rendered to begins what this
         one renders to: its keys are a leading part known at once. That is checked on every
         answer asked after using one; a model whose template breaks it is not read so again.
+        Without ``leads`` (the gateway tokenizes the model's prompts itself) none is looked for.
         """
         given = given_tokens(request)
         if given is not None:
@@ -225,7 +250,7 @@ class Tokenizer:
             return Lookup(hit)
         found = Lookup(ask=body)
         messages = asked.get("messages")
-        if not isinstance(messages, list) or len(messages) < 2:
+        if not leads or not isinstance(messages, list) or len(messages) < 2:
             return found
         if request.model in self._not_composing:
             return found
@@ -256,10 +281,15 @@ class Tokenizer:
         background for the next turn; else the request waits for the worker's answer
         (``asked``, or ``failed``: None). How is the second item; None: not to be asked.
         """
-        found = self.lookup(request, block_sizes)
+        model = request.model
+        local = self._local.get(model)
+        found = self.lookup(request, block_sizes, leads=local is None)
         if found.tokens is not None or found.ask is None:
             return found.tokens, None if found.tokens is None else "cached"
-        model = request.model
+        if local is not None:
+            tokens = await self._tokenize_here(local, request, found.ask, block_sizes, spec)
+            if tokens is not None:
+                return tokens, "local"
         if found.lead_ask is not None:
             self.prefetch(spec, model, found.lead_ask, block_sizes)
         if found.lead is not None:
@@ -267,6 +297,57 @@ class Tokenizer:
             return found.lead, "partial"
         tokens = await self.ask(spec, model, found.ask, block_sizes)
         return tokens, "asked" if tokens is not None else "failed"
+
+    async def _tokenize_here(
+        self,
+        local: LocalTokenizer,
+        request: ParsedRequest,
+        body: bytes,
+        block_sizes: Collection[int],
+        spec: WorkerSpec,
+    ) -> PromptTokens | None:
+        """The prompt tokenized by the gateway's copy of the model's tokenizer; None: ask.
+
+        The first answers per model are also asked of the worker, in the background: a copy
+        that differs from the worker is given up (the worker asked from then on).
+        """
+        asked = tokenize_body(request)
+        if asked is None:
+            return None
+        if request.size > _INLINE_CHARS and self._executor is not None:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._executor, _local_ids, local, asked)
+        else:
+            ids = _local_ids(local, asked)
+        model = request.model
+        if ids is None or self._local.get(model) is not local:
+            return None
+        tokens = PromptTokens(ids, block_sizes)
+        self._keep((model, hash(body)), tokens)
+        if self._unchecked.get(model, 0) > 0:
+            self._unchecked[model] -= 1
+            task = asyncio.create_task(self._check(spec, model, body, block_sizes, tokens))
+            self._checking.add(task)
+            task.add_done_callback(self._checking.discard)
+        return tokens
+
+    async def _check(
+        self,
+        spec: WorkerSpec,
+        model: str,
+        body: bytes,
+        block_sizes: Collection[int],
+        mine: PromptTokens,
+    ) -> None:
+        theirs = await self.ask(spec, model, body, block_sizes)
+        if theirs is None or theirs.same(mine):
+            return
+        if self._local.pop(model, None) is not None:
+            log.warning(
+                "model %s: the gateway's tokenizer (GATEWAY_TOKENIZERS) cut a prompt into %d "
+                "tokens, the worker into %d: the worker is asked from now on",
+                model, len(mine), len(theirs),
+            )  # fmt: skip
 
     def _get(self, model: str, body: bytes, block_sizes: Collection[int]) -> PromptTokens | None:
         key = (model, hash(body))
@@ -315,12 +396,14 @@ class Tokenizer:
 
     async def close(self) -> None:
         """Cancel the asks running in the background."""
-        tasks = list(self._asking.values())
+        tasks = [*self._asking.values(), *self._checking]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def ask(
         self, spec: WorkerSpec, model: str, body: bytes, block_sizes: Collection[int]
@@ -371,12 +454,27 @@ class Tokenizer:
             self._bytes -= dropped.nbytes()
 
 
+def _local_ids(local: LocalTokenizer, asked: dict[str, Any]) -> list[int] | None:
+    """``asked``'s prompt (a /tokenize body) tokenized by ``local``; None: not here."""
+    if "messages" in asked:
+        return local.chat(asked)
+    prompt = asked.get("prompt")
+    if not isinstance(prompt, str):
+        return None
+    return local.completion(prompt, bool(asked.get("add_special_tokens", True)))
+
+
 def _render(asked: dict[str, Any]) -> bytes:
     return json.dumps(asked, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 # Background asks at once, at most: each is a /tokenize on a worker.
 _MAX_BACKGROUND: Final = 8
+# Prompts per model the gateway tokenized that are also asked of a worker, to compare.
+_LOCAL_CHECKS: Final = 3
+# A request body larger than this is tokenized off the event loop (a thread hop costs less
+# than encoding a few thousand new characters: about a microsecond per token).
+_INLINE_CHARS: Final = 4096
 _HEAD: Final = (
     b"POST %s HTTP/1.1\r\nhost: %s\r\naccept-encoding: identity\r\n"
     b"content-type: application/json\r\ncontent-length: %d\r\n"

@@ -980,8 +980,9 @@ METRICS: tuple[MetricSpec, ...] = (
         doc=(
             "prompts mapped to the worker's tokens for routing on KV events: `cached` (a prompt "
             "seen before), `partial` (routed on an earlier turn's, the whole asked in the "
-            "background), `asked` (the request waited for the worker's `/tokenize`), `failed` "
-            "(routed on the approximate index)"
+            "background), `local` (tokenized by the gateway, `GATEWAY_TOKENIZERS`), `asked` "
+            "(the request waited for the worker's `/tokenize`), `failed` (routed on the "
+            "approximate index)"
         ),
     ),
     MetricSpec(
