@@ -1163,6 +1163,7 @@ def workers() -> Json:
             height=6,
         ),
         *prefix_cache_panels(),
+        *kv_event_panels(),
     ]
     return dashboard(
         "goodput-gateway-workers",
@@ -1245,6 +1246,83 @@ def prefix_cache_panels() -> list[Json]:
                     "properties": [{"id": "unit", "value": "bytes"}],
                 }
             ],
+        ),
+    ]
+
+
+def kv_event_panels() -> list[Json]:
+    """Workers dashboard, after the prefix cache: following the workers' KV cache events."""
+    return [
+        panel(
+            "timeseries",
+            "KV cache events",
+            "prefix_aware routing on the workers' KV cache events (GATEWAY_KV_EVENTS): event "
+            "batches applied per second per worker, summed over gateway processes, and batches "
+            "lost (a gap the worker's replay could not fill: that index is incomplete until the "
+            "worker's cache is emptied). Empty when no worker's events are followed.",
+            refs(
+                [
+                    (
+                        f"sum by (worker) (rate(gateway_worker_kv_events_total{{{W}}}[{RATE}]))",
+                        "batches/s {{worker}}",
+                    ),
+                    (
+                        f"sum by (worker) "
+                        f"(increase(gateway_worker_kv_event_batches_lost_total{{{W}}}[{RATE}]))",
+                        "lost {{worker}}",
+                    ),
+                ]
+            ),
+            width=8,
+        ),
+        panel(
+            "timeseries",
+            "KV event lag and index",
+            "p99 of the time from the worker stamping a batch to the gateway applying it (two "
+            "machines' wall clocks), the blocks each worker's index holds (largest gateway "
+            "process), and 1 while every process's index of the worker is complete.",
+            refs(
+                [
+                    (
+                        "histogram_quantile(0.99, sum by (worker, le) "
+                        f"(rate(gateway_worker_kv_event_lag_seconds_bucket{{{W}}}[{RATE}])))",
+                        "lag p99 {{worker}}",
+                    ),
+                    (
+                        f"max by (worker) (gateway_worker_kv_index_blocks{{{W}}})",
+                        "blocks {{worker}}",
+                    ),
+                    (
+                        f"min by (worker) (gateway_worker_kv_index_complete{{{W}}})",
+                        "complete {{worker}}",
+                    ),
+                ]
+            ),
+            width=8,
+            overrides=[
+                {
+                    "matcher": {"id": "byRegexp", "options": "^lag .*"},
+                    "properties": [{"id": "unit", "value": "s"}],
+                }
+            ],
+        ),
+        panel(
+            "timeseries",
+            "Prompts mapped to tokens",
+            "How each prompt routed on KV events got its tokens, per second: `local` (the "
+            "gateway's copy of the tokenizer, GATEWAY_TOKENIZERS), `cached` (seen before), "
+            "`partial` (an earlier turn's, the whole asked behind), `asked` (waited for a "
+            "worker's /tokenize, which costs that worker CPU), `failed` (the approximate index).",
+            refs(
+                [
+                    (
+                        f"sum by (result) (rate(gateway_prompt_tokenizations_total[{RATE}]))",
+                        "{{result}}",
+                    )
+                ]
+            ),
+            unit="reqps",
+            width=8,
         ),
     ]
 

@@ -27,6 +27,7 @@ from typing import IO
 
 from scripts.processes import stop_process
 from scripts.vllm_worker import (
+    MODEL_DIR,
     ROOT,
     RUN_DIR,
     VllmWorker,
@@ -147,6 +148,10 @@ def _serve(
         "GATEWAY_PORT": str(args.gateway_port),
     }
     env.setdefault("GATEWAY_WORKERS", worker.url)
+    # prefix_aware routing on the worker's KV cache events, its prompts tokenized by the
+    # gateway from the model's own files (no /tokenize asked of the worker).
+    env.setdefault("GATEWAY_KV_EVENTS", "true")
+    env.setdefault("GATEWAY_TOKENIZERS", f"{args.model_name}={MODEL_DIR}")
     env.setdefault("GATEWAY_HARDWARE", json.dumps(hardware_for(worker.dtype)))
     gateway_log = RUN_DIR / "gateway.log"
     print(f"starting the gateway on {gateway_url}; log {gateway_log}", flush=True)

@@ -29,9 +29,12 @@ def vllm_worker_url(request: pytest.FixtureRequest) -> Iterator[str]:
         yield os.environ["VLLM_WORKER_URL"].rstrip("/")
         return
     # Imported here so that the unit tests do not depend on the launcher.
-    from scripts.vllm_worker import VllmWorker
+    from scripts.vllm_worker import VllmWorker, kv_events_args
 
-    with serving(request, VllmWorker(port=free_port())) as worker:
+    # It publishes its KV cache events, as `make run`'s worker does: only a gateway told to
+    # follow them (the live stack's) subscribes.
+    events = kv_events_args(free_port(), free_port())
+    with serving(request, VllmWorker(port=free_port(), extra_args=events)) as worker:
         yield worker.url
 
 

@@ -75,7 +75,11 @@ async def gateway(vllm_worker_url: str, worker_e: VllmWorker) -> AsyncIterator[s
         tokenizers={MODEL: MODEL_DIR},
     )
     async with running_gateway(settings) as url:
-        await _until(url, lambda page: total(page, "gateway_worker_kv_index_complete") == 1)
+        # E's index (B, the session's worker, publishes too: its history may be past replay).
+        e = _label(worker_e.url)
+        await _until(
+            url, lambda page: total(page, "gateway_worker_kv_index_complete", worker=e) == 1
+        )
         yield url
 
 
@@ -147,7 +151,7 @@ async def test_a_prefix_cached_by_others_goes_where_the_events_say_until_it_is_e
         after = await scrape(gateway)
         assert total(after, PREDICTED) - total(before, PREDICTED) == 0
         assert await _hits(workers) - hits == 0
-        assert total(after, "gateway_worker_kv_event_batches_lost_total") == 0
+        assert total(after, "gateway_worker_kv_event_batches_lost_total", worker=e) == 0
 
 
 async def test_a_restarted_worker_starts_with_an_empty_index(

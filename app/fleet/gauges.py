@@ -100,6 +100,7 @@ class WorkerGauges:
                 index_bytes += kv.nbytes()
                 metrics.worker_kv_blocks.labels(worker.label).set(len(kv))
                 metrics.worker_kv_complete.labels(worker.label).set(1 if kv.complete else 0)
+                metrics.kv_followed(worker.label)
             hardware = worker.spec.hardware or settings.hardware
             if hardware is not None:
                 metrics.set_hardware(worker.label, hardware)

@@ -1230,6 +1230,11 @@ class GatewayMetrics:
         if lag_s is not None:
             self.worker_kv_lag.labels(worker).observe(lag_s)
 
+    def kv_followed(self, worker: str) -> None:
+        """``worker``'s events are followed: its counters exist (at 0) before anything comes."""
+        self.worker_kv_events.labels(worker)
+        self.worker_kv_lost.labels(worker)
+
     def kv_events_lost(self, worker: str, batches: int) -> None:
         """``batches`` of ``worker``'s KV cache events were missed and not replayed."""
         self.worker_kv_lost.labels(worker).inc(batches)

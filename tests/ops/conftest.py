@@ -22,7 +22,7 @@ import pytest
 from app.settings import DEFAULT_TIERS, TierSpec
 from scripts.processes import stop_process
 from scripts.redis_server import RedisServer
-from scripts.vllm_worker import TINY_LLAMA_HARDWARE
+from scripts.vllm_worker import MODEL_DIR, TINY_LLAMA_HARDWARE
 from tests.ops.support import LIVE_API_KEY_SHA256, REPO
 from tests.servers import free_port
 
@@ -53,8 +53,11 @@ def live_gateway_url(
         "GATEWAY_PORT": str(port),
         "GATEWAY_WORKERS": vllm_worker_url,
         "GATEWAY_ACCESS_LOG": "false",
-        # The Workers dashboard's predicted prefix-cache hit rate needs prefix-aware routing.
+        # The Workers dashboard's predicted prefix-cache hit rate needs prefix-aware routing;
+        # its KV event panels, the worker's events followed (prompts tokenized here).
         "GATEWAY_ROUTING": "prefix_aware",
+        "GATEWAY_KV_EVENTS": "true",
+        "GATEWAY_TOKENIZERS": f"tiny-llama={MODEL_DIR}",
         "GATEWAY_PROCESSES": "2",
         "GATEWAY_REDIS_URL": redis.url,
         # Roofline figures, so the Workers dashboard's bandwidth panels have data.

@@ -42,6 +42,9 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "gateway_worker_completion_tokens_total": _WORKER,
     "gateway_worker_prefix_query_tokens_total": _WORKER,
     "gateway_worker_predicted_prefix_hit_tokens_total": _WORKER,
+    "gateway_worker_kv_events_total": _WORKER,
+    "gateway_worker_kv_event_batches_lost_total": _WORKER,
+    "gateway_prompt_tokenizations_total": ("result",),
     "gateway_admission_decisions_total": ("tier", "decision", "reason"),
     "gateway_slo_requests_total": ("model", "tier", "result"),
     "gateway_goodput_tokens_total": _BY_TIER,
@@ -69,6 +72,8 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_decode_seconds_per_sequence": _WORKER,
     "gateway_worker_prefix_index_blocks": _WORKER,
     "gateway_prefix_index_bytes": (),
+    "gateway_worker_kv_index_blocks": _WORKER,
+    "gateway_worker_kv_index_complete": _WORKER,
     "gateway_queue_depth": ("tier",),
     "gateway_fairness_waiting_ids": ("tier",),
     "gateway_fairness_top_share": ("tier",),
@@ -93,6 +98,7 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "gateway_queue_wait_seconds": ("tier",),
     "gateway_ttft_prediction_error_seconds": ("tier",),
     "gateway_event_loop_lag_seconds": (),
+    "gateway_worker_kv_event_lag_seconds": _WORKER,
 }
 # vLLM's series carry model_name and engine (and, on vllm:num_requests_waiting_by_reason,
 # reason); Prometheus adds `worker` (see prometheus.yml).

@@ -142,6 +142,9 @@ async def _stream(
     return ""
 
 
+_SYSTEM = "You are a helpful assistant who answers briefly and politely. " * 30
+
+
 async def _load(gateway: str, model: str) -> list[str]:
     """Streamed chat and completion requests over every tier, plus invalid and cancelled ones."""
     problems: list[str] = []
@@ -156,7 +159,14 @@ async def _load(gateway: str, model: str) -> list[str]:
                 body: dict[str, Any] = {"model": model, "prompt": f"Count to {i}:"}
             else:
                 path = "/v1/chat/completions"
-                body = {"model": model, "messages": [{"role": "user", "content": f"Hi {i}"}]}
+                # A system prompt of a few hundred tokens, as chat applications send, one per
+                # four requests: whole KV blocks the worker caches all through the load, whose
+                # events the KV panels show.
+                messages = [
+                    {"role": "system", "content": f"Session {i // 4}. {_SYSTEM}"},
+                    {"role": "user", "content": f"Hi {i}"},
+                ]
+                body = {"model": model, "messages": messages}
             body.update({"stream": True, "max_tokens": 16, "temperature": 0})
             async with gate:
                 problem = await _stream(client, path, body, tier)
