@@ -1229,10 +1229,12 @@ def prefix_cache_panels() -> list[Json]:
             "Memory of prefix_aware routing's index of recent prompts in the gateway replica "
             "holding the most (each is capped by GATEWAY_PREFIX_INDEX_MB), and the blocks of "
             "256 characters it remembers per worker (also held to what the worker's KV cache "
-            "can keep).",
+            "can keep); with KV events followed, the prompts' tokens kept (capped by "
+            "GATEWAY_KV_TOKENS_CACHE_MB).",
             refs(
                 [
                     ("max(gateway_prefix_index_bytes)", "bytes, largest replica"),
+                    ("max(gateway_prompt_tokens_cache_bytes)", "bytes of tokens, largest replica"),
                     (
                         f"sum by (worker) (gateway_worker_prefix_index_blocks{{{W}}})",
                         "blocks {{worker}}",

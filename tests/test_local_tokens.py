@@ -151,7 +151,8 @@ async def test_the_gateway_tokenizes_and_checks_its_first_answers_with_the_worke
         asked.append(body)
         return httpx.Response(200, json={"tokens": tiny.chat(body)})
 
-    tokenizer = _tokenizer(answer, {MODEL: LocalTokenizer(TINY)})
+    mine = LocalTokenizer(TINY)
+    tokenizer = _tokenizer(answer, {MODEL: mine})
     spec = WorkerSpec.model_validate({"url": "http://w:1"})
     for i in range(5):
         tokens, how = await tokenizer.tokens(_chat(f"question {i}"), {4}, spec)
@@ -165,6 +166,8 @@ async def test_the_gateway_tokenizes_and_checks_its_first_answers_with_the_worke
     assert len(tokens) > 5000
     await _settled(tokenizer)
     assert len(asked) == 3  # the first three compared with the worker, no more
+    # What is kept (the prompts' keys and the pieces' ids) is counted, for the gauge.
+    assert tokenizer.cached_bytes > mine.cached_bytes > 0
     assert (await tokenizer.tokens(_chat("question 1"), {4}, spec))[1] == "cached"
     await tokenizer.close()
 

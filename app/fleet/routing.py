@@ -128,6 +128,11 @@ class Router:
             self._metrics.prompt_tokenizations.labels(result).inc()
         return key if tokens is None else dataclasses.replace(key, tokens=tokens)
 
+    def export(self) -> None:
+        """Refresh the gauge of the prompts' tokens kept (before an export)."""
+        if self._tokenizer is not None and self._metrics is not None:
+            self._metrics.prompt_tokens_cache_bytes.set(self._tokenizer.cached_bytes)
+
     async def close(self) -> None:
         """Stop what runs in the background (the tokenizer's asks)."""
         if self._tokenizer is not None:

@@ -212,8 +212,8 @@ class Tokenizer:
 
     @property
     def cached_bytes(self) -> int:
-        """Memory the cache holds."""
-        return self._bytes
+        """Memory the caches hold: the prompts' block keys, and the gateway's own pieces."""
+        return self._bytes + sum(local.cached_bytes for local in self._local.values())
 
     @property
     def asking(self) -> int:

@@ -1000,6 +1000,22 @@ METRICS: tuple[MetricSpec, ...] = (
             "workers together (each capped by `GATEWAY_PREFIX_INDEX_MB`)"
         ),
     ),
+    MetricSpec(
+        "prompt_tokens_cache_bytes",
+        "gauge",
+        "gateway_prompt_tokens_cache_bytes",
+        (
+            "Memory held by the prompts' tokens kept for routing on KV events (block keys, "
+            "and the pieces tokenized by the gateway; each capped by GATEWAY_KV_TOKENS_CACHE_MB)."
+        ),
+        (),
+        multiprocess_mode="livesum",
+        doc=(
+            "memory held by the prompts' tokens kept for routing on KV events: their block keys, "
+            "and the pieces of rendered prompts the gateway tokenized (`GATEWAY_TOKENIZERS`); "
+            "each capped by `GATEWAY_KV_TOKENS_CACHE_MB`, the pieces per model"
+        ),
+    ),
     # Only with Redis configured: without it there is nothing shared to be down.
     MetricSpec(
         "shared_state_up",
@@ -1111,6 +1127,7 @@ class GatewayMetrics:
     worker_kv_complete: Gauge
     prompt_tokenizations: Counter
     prefix_index_bytes: prometheus_client.Gauge
+    prompt_tokens_cache_bytes: prometheus_client.Gauge
     shared_state_up: prometheus_client.Gauge | None
     library_assumption: Gauge
 

@@ -72,6 +72,7 @@ GAUGES: dict[str, tuple[str, ...]] = {
     "gateway_worker_decode_seconds_per_sequence": _WORKER,
     "gateway_worker_prefix_index_blocks": _WORKER,
     "gateway_prefix_index_bytes": (),
+    "gateway_prompt_tokens_cache_bytes": (),
     "gateway_worker_kv_index_blocks": _WORKER,
     "gateway_worker_kv_index_complete": _WORKER,
     "gateway_queue_depth": ("tier",),
