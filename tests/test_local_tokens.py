@@ -218,3 +218,30 @@ async def test_the_gateways_tokens_are_the_real_workers(vllm_worker_url: str) ->
             theirs = await client.post("/tokenize", json=body)
             assert theirs.status_code == 200, theirs.text
             assert tiny.completion(prompt, special) == theirs.json()["tokens"], prompt
+
+
+def _model_dir(tmp_path: Path, config: dict[str, Any], template_file: str | None = None) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "tokenizer.json").write_bytes((TINY / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if template_file is not None:
+        (tmp_path / "chat_template.jinja").write_text(template_file)
+    return tmp_path
+
+
+def test_a_template_that_takes_content_as_a_string_gets_the_parts_joined(tmp_path: Path) -> None:
+    """vLLM's "string" content format: text parts joined by newlines, as the worker does."""
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    local = LocalTokenizer(_model_dir(tmp_path, {"chat_template": template}))
+    body = {"messages": [{"role": "user", "content": [_part("a"), _part("b")]}]}
+    assert local.render(body) == "[user]a\nb"
+
+
+def test_named_templates_and_a_template_file_are_found(tmp_path: Path) -> None:
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ 1 }}"}]
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert LocalTokenizer(_model_dir(tmp_path / "a", {"chat_template": named})).render(body) == "D1"
+    from_file = LocalTokenizer(_model_dir(tmp_path / "b", {}, "F{{ messages|length }}"))
+    assert from_file.render(body) == "F1"
+    # No template at all: the worker answers (with its own error or default).
+    assert LocalTokenizer(_model_dir(tmp_path / "c", {})).chat(body) is None
