@@ -173,6 +173,14 @@ def panel(
     }
 
 
+def unit_of(legend: str, unit: str) -> Json:
+    """A panel override: the series whose legend starts with ``legend`` are in ``unit``."""
+    return {
+        "matcher": {"id": "byRegexp", "options": f"^{legend} .*"},
+        "properties": [{"id": "unit", "value": unit}],
+    }
+
+
 def row(title: str) -> Json:
     """A row header."""
     return {
@@ -432,12 +440,7 @@ def overview() -> Json:
             ),
             unit="s",
             width=8,
-            overrides=[
-                {
-                    "matcher": {"id": "byRegexp", "options": "^objective .*"},
-                    "properties": [{"id": "unit", "value": "percentunit"}],
-                }
-            ],
+            overrides=[unit_of("objective", "percentunit")],
         ),
         row("Latency per tier and model"),
         panel(
@@ -1242,12 +1245,7 @@ def prefix_cache_panels() -> list[Json]:
                 ]
             ),
             width=8,
-            overrides=[
-                {
-                    "matcher": {"id": "byRegexp", "options": "^bytes .*"},
-                    "properties": [{"id": "unit", "value": "bytes"}],
-                }
-            ],
+            overrides=[unit_of("bytes", "bytes")],
         ),
     ]
 
@@ -1301,12 +1299,7 @@ def kv_event_panels() -> list[Json]:
                 ]
             ),
             width=8,
-            overrides=[
-                {
-                    "matcher": {"id": "byRegexp", "options": "^lag .*"},
-                    "properties": [{"id": "unit", "value": "s"}],
-                }
-            ],
+            overrides=[unit_of("lag", "s")],
         ),
         panel(
             "timeseries",
