@@ -245,3 +245,26 @@ def test_named_templates_and_a_template_file_are_found(tmp_path: Path) -> None:
     assert from_file.render(body) == "F1"
     # No template at all: the worker answers (with its own error or default).
     assert LocalTokenizer(_model_dir(tmp_path / "c", {})).chat(body) is None
+
+
+def test_a_template_failing_on_the_messages_leaves_them_to_the_worker(tmp_path: Path) -> None:
+    local = LocalTokenizer(_model_dir(tmp_path, {"chat_template": "{{ messages[0].content + 1 }}"}))
+    assert local.chat({"messages": [{"role": "user", "content": "x"}]}) is None
+
+
+async def test_what_the_gateway_cannot_render_is_asked_with_an_earlier_turn_leading(
+    tiny: LocalTokenizer,
+) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        body.pop("tools", None)  # this template ignores them
+        return httpx.Response(200, json={"tokens": tiny.chat(body)})
+
+    tokenizer = _tokenizer(answer, {MODEL: LocalTokenizer(TINY)})
+    spec = WorkerSpec.model_validate({"url": "http://w:1"})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    first = await tokenizer.tokens(_chat("hi " * 40, tools=tools), {4}, spec)
+    assert first[1] == "asked"
+    following = await tokenizer.tokens(_chat("hi " * 40, "yes", "then?", tools=tools), {4}, spec)
+    assert following[1] == "partial"  # routed on the first turn's tokens, the whole asked behind
+    await tokenizer.close()

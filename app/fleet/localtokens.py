@@ -124,8 +124,10 @@ class LocalTokenizer:
         }
         try:
             return self._template.render(**variables)
-        except TemplateError:
-            return None  # the worker answers it with its own error
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError):
+            # A template's own raise_exception, or its expressions failing on these messages:
+            # the worker answers it, with its own error; routing never fails for it.
+            return None
 
     def _message(self, message: Any) -> dict[str, Any] | None:
         if not isinstance(message, dict) or not _MESSAGE_KEYS.issuperset(message):

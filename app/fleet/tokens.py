@@ -284,18 +284,20 @@ class Tokenizer:
         model = request.model
         local = self._local.get(model)
         found = self.lookup(request, block_sizes, leads=local is None)
-        if found.tokens is not None or found.ask is None:
+        ask = found.ask
+        if found.tokens is not None or ask is None:
             return found.tokens, None if found.tokens is None else "cached"
         if local is not None:
-            tokens = await self._tokenize_here(local, request, found.ask, block_sizes, spec)
+            tokens = await self._tokenize_here(local, request, ask, block_sizes, spec)
             if tokens is not None:
                 return tokens, "local"
+            found = self.lookup(request, block_sizes)  # asked: a known earlier turn may lead
         if found.lead_ask is not None:
             self.prefetch(spec, model, found.lead_ask, block_sizes)
         if found.lead is not None:
-            self.prefetch(spec, model, found.ask, block_sizes, found.lead)
+            self.prefetch(spec, model, ask, block_sizes, found.lead)
             return found.lead, "partial"
-        tokens = await self.ask(spec, model, found.ask, block_sizes)
+        tokens = await self.ask(spec, model, ask, block_sizes)
         return tokens, "asked" if tokens is not None else "failed"
 
     async def _tokenize_here(
