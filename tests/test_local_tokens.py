@@ -113,9 +113,12 @@ def test_the_pieces_cache_keeps_to_its_memory_cap() -> None:
     assert 0 < small.cached_bytes <= 4096
 
 
-def test_missing_files_are_a_clear_error(tmp_path: Path) -> None:
+def test_missing_files_or_a_broken_template_are_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(TokenizerFilesError, match=str(tmp_path)):
         LocalTokenizer(tmp_path)
+    broken = _model_dir(tmp_path / "broken", {"chat_template": "{% for %}"})
+    with pytest.raises(TokenizerFilesError, match="chat template"):
+        LocalTokenizer(broken)
 
 
 def test_the_setting_takes_model_directory_pairs_or_json() -> None:

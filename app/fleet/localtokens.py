@@ -80,7 +80,10 @@ class LocalTokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
-        self._template = None if template is None else env.from_string(template)
+        try:
+            self._template = None if template is None else env.from_string(template)
+        except TemplateError as exc:
+            raise TokenizerFilesError(f"{directory}: its chat template: {exc}") from exc
         self._parts = template is not None and _LOOPS_OVER_CONTENT.search(template) is not None
         added = {t.content: i for i, t in self._rust.get_added_tokens_decoder().items()}
         self._added = added
