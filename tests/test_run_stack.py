@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,20 @@ def _ready(lines: queue.Queue[str], within_s: float) -> list[str]:
         except queue.Empty:
             continue
         seen.append(line)
-        if "Goodput Gateway is ready" in line:
+        if "Ctrl-C stops everything" in line:  # the banner's last line
             return seen
     raise AssertionError("the stack never said it was ready:\n" + "".join(seen[-40:]))
+
+
+def _poll(url: str, check: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+    """The gateway's metrics once ``check`` holds for them (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        page = asyncio.run(scrape(url))
+        if check(page):
+            return page
+        assert time.monotonic() < deadline, "not within 30 s"
+        time.sleep(0.5)
 
 
 def _listening(port: int) -> bool:
@@ -77,6 +89,15 @@ def test_make_runs_stack_serves_the_sdk_on_kv_events_and_stops_on_sigterm() -> N
         seen = "".join(_ready(_lines(proc), 600))
         url = f"http://127.0.0.1:{gateway}"
         assert f"OpenAI SDK: OpenAI(base_url='{url}/v1'" in seen
+        # The worker's event source is read with its models, its block size from its first
+        # load scrape: until both are in, prompts are routed on the approximate index alone.
+        _poll(
+            url,
+            lambda page: (
+                total(page, "gateway_worker_kv_index_complete") == 1
+                and any(k.startswith("gateway_worker_kv_cache_usage_ratio{") for k in page)
+            ),
+        )
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
             model="tiny-llama",
@@ -90,16 +111,8 @@ def test_make_runs_stack_serves_the_sdk_on_kv_events_and_stops_on_sigterm() -> N
         chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
         assert chunks
         # Routed on the worker's own events, the prompt tokenized by the gateway.
-        deadline = time.monotonic() + 30
-        while True:
-            page = asyncio.run(scrape(url))
-            events = total(page, "gateway_worker_kv_events_total")
-            if events > 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert events > 0
+        page = _poll(url, lambda page: total(page, "gateway_worker_kv_events_total") > 0)
         assert total(page, "gateway_prompt_tokenizations_total", result="local") == 1
-        assert total(page, "gateway_worker_kv_index_complete") == 1
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
