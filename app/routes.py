@@ -198,7 +198,6 @@ async def metrics(request: Request) -> PlainTextResponse:
     """Prometheus exposition of the gateway's metrics."""
     state = get_state(request)
     state.pool.export()
-    state.relay_deps.router.export()
     admission = state.relay_deps.admission
     admission.limits.export(state.pool)
     admission.shares.export(state.metrics, state.settings.tiers)

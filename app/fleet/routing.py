@@ -126,12 +126,8 @@ class Router:
         tokens, result = await tokenizer.tokens(request, sizes, asked)
         if self._metrics is not None and result is not None:
             self._metrics.prompt_tokenizations.labels(result).inc()
+            self._metrics.prompt_tokens_cache_bytes.set(tokenizer.cached_bytes)  # as it grew
         return key if tokens is None else dataclasses.replace(key, tokens=tokens)
-
-    def export(self) -> None:
-        """Refresh the gauge of the prompts' tokens kept (before an export)."""
-        if self._tokenizer is not None and self._metrics is not None:
-            self._metrics.prompt_tokens_cache_bytes.set(self._tokenizer.cached_bytes)
 
     async def close(self) -> None:
         """Stop what runs in the background (the tokenizer's asks)."""
