@@ -72,15 +72,19 @@ def create_app(
     clock: Clock = default_clock,
     resolver: Resolver | None = None,
     shutdown: Shutdown | None = None,
+    control: Connector | None = None,
 ) -> FastAPI:
     """Build a gateway app.
 
-    ``transport`` replaces the control plane's network to the workers, ``connector`` the
-    relay's, and ``resolver`` the DNS (tests);
+    ``connector`` replaces the relay's network to the workers, ``control`` the pool's (probes,
+    load scrapes, discovery; by default ``connector``'s), ``transport`` that of ``/version``,
+    and ``resolver`` the DNS (tests);
     ``shutdown`` is the drain the server starts on SIGTERM (:mod:`app.shutdown`).
     """
     drain = shutdown or Shutdown(settings.drain_delay_s, settings.shutdown_grace_s)
-    parts = functools.partial(_Parts.build, settings, transport, connector, clock, resolver)
+    parts = functools.partial(
+        _Parts.build, settings, transport, connector, control or connector, clock, resolver
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, object]]:
@@ -109,6 +113,8 @@ class _Parts:
     auth: Authenticator
     client: httpx.AsyncClient
     wire: WireClient
+    probes: WireClient
+    """The pool's own connections to the workers (probes, scrapes, discovery)."""
     pool: WorkerPool
     router: Router
     lag: LoopLagProbe
@@ -124,6 +130,7 @@ class _Parts:
         settings: Settings,
         transport: httpx.AsyncBaseTransport | None,
         connector: Connector | None,
+        control: Connector | None,
         clock: Clock,
         resolver: Resolver | None,
     ) -> _Parts:
@@ -139,7 +146,8 @@ class _Parts:
         auth.log_mode()
         client = make_client(settings, transport)
         wire = make_wire(settings, connector)
-        pool = WorkerPool(settings, client, metrics, clock, resolver or LoopResolver())
+        probes = make_wire(settings, control)
+        pool = WorkerPool(settings, probes, metrics, clock, resolver or LoopResolver())
         tokenizer = None
         if pool.kv_events is not None:
             cache = int(settings.kv_tokens_cache_mb * 2**20)
@@ -153,8 +161,8 @@ class _Parts:
         sizer = PromptSizer()
         recorder = Recorder(settings, metrics, goodput)
         return cls(
-            settings, clock, metrics, shared, auth, client, wire, pool, router, lag, limits,
-            admission, goodput, sizer, recorder,
+            settings, clock, metrics, shared, auth, client, wire, probes, pool, router, lag,
+            limits, admission, goodput, sizer, recorder,
         )  # fmt: skip
 
 
@@ -209,6 +217,7 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
         await parts.router.close()
         await pool.stop()
         parts.wire.close()
+        parts.probes.close()
         await parts.client.aclose()
 
 

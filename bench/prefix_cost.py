@@ -27,12 +27,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import httpx
-
 from app.api.protocol import Endpoint, parse_request
 from app.fleet import prefix as index
 from app.fleet.lease import Choice
 from app.fleet.routing import RouteKey, Router
+from app.fleet.wire import WireClient
 from app.fleet.workers import WorkerPool
 from app.observe.metrics import GatewayMetrics
 from app.settings import Settings
@@ -62,7 +61,7 @@ class _NoClock:
 
 
 def _pool(settings: Settings, metrics: GatewayMetrics) -> WorkerPool:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    client = WireClient(1.0)  # never asked: these tests probe nothing
     pool = WorkerPool(settings, client, metrics, _NoClock(), _NoResolver())
     for worker in pool.workers.values():
         worker.up = True

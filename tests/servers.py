@@ -26,13 +26,15 @@ async def running_gateway(
     """Serve a gateway on a free port; yield its base URL; shut it down afterwards.
 
     ``transport`` answers every request to the workers: the control plane's, and the relay's
-    through :func:`tests.wire_bridge.bridge`, unless ``connector`` replaces the relay's network.
+    (both through :func:`tests.wire_bridge.bridge`), unless ``connector`` replaces the relay's
+    network.
     """
-    if connector is None and transport is not None:
-        connector = bridge(transport)
+    control = None if transport is None else bridge(transport)
+    if connector is None:
+        connector = control
     port = free_port()
     config = server_config(
-        create_app(settings, transport=transport, connector=connector),
+        create_app(settings, transport=transport, connector=connector, control=control),
         settings,
         host="127.0.0.1",
         port=port,

@@ -8,7 +8,6 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from app.admission.auth import Authenticator, TokenBucket
@@ -29,6 +28,7 @@ from app.fleet.limiter import ConcurrencyLimit, DecodePace
 from app.fleet.loadsignals import LoadSample
 from app.fleet.predictor import OnlineLinear, RecentQuantile
 from app.fleet.routing import NO_KEY, Router
+from app.fleet.wire import WireClient
 from app.fleet.workers import Worker, WorkerPool
 from app.observe.goodput import GoodputTracker, slo_result
 from app.observe.metrics import GatewayMetrics
@@ -49,7 +49,7 @@ def _controller(
 ) -> tuple[AdmissionController, WorkerPool, GatewayMetrics, Settings]:
     settings = settings_for("http://a:1", **overrides)
     metrics = GatewayMetrics(settings)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    client = WireClient(1.0)  # never asked: these tests probe nothing
     pool = WorkerPool(settings, client, metrics, clock, NoDns())
     worker = pool.workers["a:1"]
     worker.up = True

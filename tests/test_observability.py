@@ -10,13 +10,13 @@ import json
 import math
 from pathlib import Path
 
-import httpx
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from app.admission.auth import Authenticator
 from app.api.outcome import SloResult
+from app.fleet.wire import WireClient
 from app.fleet.workers import WorkerPool
 from app.observe.goodput import GoodputTracker
 from app.observe.metrics import GatewayMetrics, Labelled
@@ -74,7 +74,7 @@ async def test_worker_counts_are_exported_even_when_no_worker_is_known() -> None
         {"workers": [], "worker_dns": "vllm-workers.ns.svc:8000", "access_log": False}
     )
     metrics = GatewayMetrics(settings)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    client = WireClient(1.0)  # never asked: these tests probe nothing
     clock = FakeClock()
     pool = WorkerPool(settings, client, metrics, clock, resolver)
     sample = metrics.registry.get_sample_value
@@ -92,7 +92,7 @@ async def test_worker_counts_are_exported_even_when_no_worker_is_known() -> None
         pool.report_failure(pool.workers["10.0.0.1:8000"], "test")
     pool.export()
     assert sample("gateway_workers_healthy") == 0
-    await client.aclose()
+    client.close()
 
 
 def test_peak_figures_are_exported_per_worker() -> None:
@@ -105,7 +105,7 @@ def test_peak_figures_are_exported_per_worker() -> None:
     )
     settings = settings_for(workers, hardware={"memory_bandwidth_gbs": 3350, "peak_tflops": 989.5})
     metrics = GatewayMetrics(settings)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    client = WireClient(1.0)  # never asked: these tests probe nothing
     WorkerPool(settings, client, metrics, FakeClock(), FakeResolver()).export()
     sample = metrics.registry.get_sample_value
     assert sample("gateway_worker_peak_flops_per_second", {"worker": "a:1"}) == 989.5e12

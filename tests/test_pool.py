@@ -14,13 +14,14 @@ import pytest
 
 from app.api.errors import ModelNotFound
 from app.fleet.routing import RouteKey, Router
-from app.fleet.wire import ProtocolFactory
+from app.fleet.wire import Connector, ProtocolFactory, WireClient
 from app.fleet.workers import Worker, WorkerPool
 from app.observe.metrics import GatewayMetrics
 from app.settings import Settings
 from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL, FakeWorker, chunk, fleet, tokens
 from tests.servers import running_gateway, settings_for
+from tests.wire_bridge import bridge
 
 
 class FakeResolver:
@@ -34,7 +35,7 @@ class FakeResolver:
 
 
 def _pool(settings: Settings, clock: FakeClock, resolver: FakeResolver | None = None) -> WorkerPool:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    client = WireClient(1.0)  # never asked: these tests probe nothing
     return WorkerPool(settings, client, GatewayMetrics(settings), clock, resolver or FakeResolver())
 
 
@@ -191,7 +192,7 @@ async def test_a_models_series_are_exported_at_zero_once_a_worker_serves_it() ->
     # first appeared with its first burst of requests would show no rate for that burst.
     settings = settings_for("http://a:1")
     models = httpx.Response(200, json={"object": "list", "data": [{"id": "m1"}]})
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: models))
+    client = WireClient(1.0, connector=bridge(httpx.MockTransport(lambda r: models)))
     pool = WorkerPool(settings, client, GatewayMetrics(settings), FakeClock(), FakeResolver())
     await pool.rediscover()
     sample = pool.metrics.registry.get_sample_value
@@ -211,7 +212,7 @@ async def test_a_models_series_are_exported_at_zero_once_a_worker_serves_it() ->
             done = {**labels, "endpoint": endpoint, "status_class": "2xx", "outcome": "ok"}
             assert sample("gateway_requests_total", done) == 0
     assert sample("gateway_overhead_seconds_count", {"model": "m1"}) == 0
-    await client.aclose()
+    client.close()
 
 
 async def _ok(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
@@ -389,19 +390,21 @@ def test_thousands_of_ejections_keep_the_backoff_at_its_longest() -> None:
     assert a.ejected_until == pytest.approx(clock.now + 30.0)
 
 
-def _stall_then(exc: type[httpx.TimeoutException], stall_s: float) -> httpx.MockTransport:
-    """A transport whose requests block the event loop for ``stall_s`` and then time out.
+def _stalled_connect(stall_s: float) -> Connector:
+    """A network whose connects block the event loop for ``stall_s`` and then never complete.
 
-    As a long pause of a busy gateway's loop looks: the timeout is due while the loop is stuck,
-    and it fires (late) once the loop runs again, before anything else it had waiting.
+    As a long pause of a busy gateway's loop looks: the connect's timeout is due while the loop
+    is stuck, and it fires (late) once the loop runs again, before anything else it had waiting.
     """
 
-    async def handle(request: httpx.Request) -> httpx.Response:
+    async def stalls(
+        factory: ProtocolFactory, host: str, port: int, tls: ssl.SSLContext | None
+    ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
         time.sleep(stall_s)  # noqa: ASYNC251 - the point: nothing else may run meanwhile
-        await asyncio.sleep(0)
-        raise exc("timed out", request=request)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
-    return httpx.MockTransport(handle)
+    return stalls
 
 
 @pytest.mark.parametrize(("stall_s", "stays_up"), [(1.4, True), (0.0, False)])
@@ -409,8 +412,8 @@ async def test_a_probe_that_timed_out_late_of_the_gateways_busy_loop_keeps_the_w
     stall_s: float, stays_up: bool
 ) -> None:
     settings = settings_for("http://a:1", connect_timeout_s=1.0)
-    client = httpx.AsyncClient(transport=_stall_then(httpx.ReadTimeout, stall_s))
-    pool = WorkerPool(settings, client, GatewayMetrics(settings), FakeClock(), FakeResolver())
+    wire = WireClient(settings.connect_timeout_s, connector=_stalled_connect(stall_s))
+    pool = WorkerPool(settings, wire, GatewayMetrics(settings), FakeClock(), FakeResolver())
     a = pool.workers["a:1"]
     a.up, a.cards = True, {MODEL: {"id": MODEL}}
     await pool.probe_health(a)
@@ -423,14 +426,8 @@ async def test_a_probe_that_timed_out_late_of_the_gateways_busy_loop_keeps_the_w
 async def test_a_connect_the_gateways_busy_loop_let_time_out_is_its_own(
     stall_s: float, code: str, ejected: float
 ) -> None:
-    async def stalls(
-        factory: ProtocolFactory, host: str, port: int, tls: ssl.SSLContext | None
-    ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
-        # The connect blocks the loop, as a busy gateway's does, then never completes.
-        time.sleep(stall_s)  # noqa: ASYNC251 - the point: nothing else may run meanwhile
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
+    # The relay's connect blocks the loop, as a busy gateway's does, then never completes.
+    stalls = _stalled_connect(stall_s)
     worker = FakeWorker(lambda r, b: asyncio.sleep(0))  # type: ignore[arg-type,return-value]
     settings = settings_for("http://w:1", connect_timeout_s=1.0, eject_after_failures=1)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}

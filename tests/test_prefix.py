@@ -7,13 +7,12 @@ import random
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from app.api.protocol import Endpoint, ParsedRequest, parse_request
 from app.fleet.lease import Lease
 from app.fleet.loadsignals import LoadSample, parse_load
 from app.fleet.prefix import BLOCK_CHARS, PrefixIndex, PromptPrefix, prompt_text
 from app.fleet.routing import RouteKey, Router
+from app.fleet.wire import WireClient
 from app.fleet.workers import Worker, WorkerPool
 from app.observe.metrics import GatewayMetrics
 from tests.conftest import FakeClock
@@ -47,7 +46,7 @@ def _fleet(
     clock = FakeClock()
     settings = settings_for(workers, routing="prefix_aware", **overrides)
     metrics = GatewayMetrics(settings)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    client = WireClient(1.0)  # never asked: these tests probe nothing
     pool = WorkerPool(settings, client, metrics, clock, FakeResolver())
     for worker in pool.workers.values():
         worker.up = True

@@ -20,6 +20,7 @@ from app.fleet.limiter import ConcurrencyLimit
 from app.fleet.loadsignals import LoadSample, held_back, parse_load
 from app.fleet.prefix import BLOCK_CHARS, PromptPrefix
 from app.fleet.routing import RouteKey
+from app.fleet.wire import WireClient
 from app.fleet.workers import Worker, WorkerPool
 from app.observe.goodput import judge
 from app.observe.looplag import LoopLagProbe
@@ -30,6 +31,7 @@ from tests.conftest import FakeClock
 from tests.fake_upstream import MODEL
 from tests.servers import settings_for
 from tests.test_admission import NoDns, _controller, _decisions, _ticket, _tier
+from tests.wire_bridge import bridge
 
 SAMPLES = Path(__file__).parent / "data" / "vllm_samples"
 
@@ -230,8 +232,8 @@ async def test_a_worker_holding_requests_back_for_capacity_sets_its_limit_to_wha
     ]
     settings = settings_for("http://a:1")
     clock = FakeClock()
-    client = httpx.AsyncClient(
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, text=pages.pop(0)))
+    client = WireClient(
+        1.0, connector=bridge(httpx.MockTransport(lambda r: httpx.Response(200, text=pages.pop(0))))
     )
     metrics = GatewayMetrics(settings)
     pool = WorkerPool(settings, client, metrics, clock, NoDns())
@@ -253,7 +255,7 @@ async def test_a_worker_holding_requests_back_for_capacity_sets_its_limit_to_wha
     await pool.scrape_load(worker)
     assert limits.saturated(worker, clock.now)
     assert _cuts(metrics, "worker_queueing") == 1
-    await client.aclose()
+    client.close()
 
 
 @pytest.mark.parametrize(
@@ -668,8 +670,8 @@ async def test_the_limit_a_worker_holding_back_sets_is_the_larger_of_the_two_pag
     pages = [_busy_page(12, 3, 100), _busy_page(10, 5, 112)]
     settings = settings_for("http://a:1")
     clock = FakeClock()
-    client = httpx.AsyncClient(
-        transport=httpx.MockTransport(lambda r: httpx.Response(200, text=pages.pop(0)))
+    client = WireClient(
+        1.0, connector=bridge(httpx.MockTransport(lambda r: httpx.Response(200, text=pages.pop(0))))
     )
     pool = WorkerPool(settings, client, GatewayMetrics(settings), clock, NoDns())
     worker = pool.workers["a:1"]
@@ -678,7 +680,7 @@ async def test_the_limit_a_worker_holding_back_sets_is_the_larger_of_the_two_pag
     await pool.scrape_load(worker)
     # Both pages held requests back; it ran 12 at the first: 10 was a step's dip.
     assert worker.limit.limit == 12
-    await client.aclose()
+    client.close()
 
 
 def test_a_projection_lifts_a_limit_no_higher_than_the_worker_ran_while_holding_back() -> None:

@@ -14,7 +14,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -26,6 +25,7 @@ from app.admission.ticket import Ticket
 from app.api.errors import RateLimited
 from app.fleet.discovery import LoopResolver
 from app.fleet.routing import NO_KEY
+from app.fleet.wire import WireClient
 from app.fleet.workers import WorkerPool
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import default_clock
@@ -70,7 +70,7 @@ class Process:
 async def processes(redis_server: RedisServer) -> AsyncIterator[list[Process]]:
     """Three processes, each with its own link to the same redis-server, keyed alike."""
     made: list[Process] = []
-    client = httpx.AsyncClient()
+    client = WireClient(1.0)
     for _ in range(3):
         settings = _settings(max_concurrency=4, tokens_per_minute=6000)
         gauge = Gauge("gateway_shared_state_up", "up", registry=CollectorRegistry())
@@ -91,7 +91,7 @@ async def processes(redis_server: RedisServer) -> AsyncIterator[list[Process]]:
     finally:
         for process in made:
             await process.shared.stop()
-        await client.aclose()
+        client.close()
 
 
 async def test_a_keys_concurrency_holds_across_processes(processes: list[Process]) -> None:

@@ -1,10 +1,11 @@
 """How the pool reads its workers: the GETs, one of a kind per worker at a time, every round.
 
 :class:`Prober` owns the network side of the pool's background work (:mod:`app.fleet.workers`):
-a GET with the worker's key, the rule that a slow worker never has two probes of one kind
-running, the rounds that repeat every interval whatever one round throws, and the judgement of
-a probe that timed out late of the gateway's own busy loop. What a probe's answer means for a
-worker (up, its models, its load) is the pool's.
+a GET with the worker's key over the gateway's own HTTP/1.1 client (:mod:`app.fleet.wire`, a
+pool of its own, apart from the relay's and not counted in its budget), the rule that a slow
+worker never has two probes of one kind running, the rounds that repeat every interval whatever
+one round throws, and the judgement of a probe that timed out late of the gateway's own busy
+loop. What a probe's answer means for a worker (up, its models, its load) is the pool's.
 """
 
 from __future__ import annotations
@@ -18,28 +19,69 @@ from typing import TypeVar
 
 import httpx
 
+from app.fleet.wire import (
+    ConnectFailed,
+    ConnectionClosed,
+    ConnectTimeout,
+    ProtocolError,
+    WireClient,
+    WireError,
+    endpoint,
+)
 from app.observe.looplag import fired_late
 from app.settings import WorkerSpec
 
 log = logging.getLogger(__name__)
 
 _W = TypeVar("_W")
+# A worker's /metrics page with many models and LoRA adapters runs to a few hundred KiB; a body
+# past this is not a page the pool can use.
+_MAX_BODY = 16 * 2**20
+_END_OF_HEAD = (b"\r\n",)
 
 
 class Prober:
-    """The pool's probes and background rounds, over the control plane's HTTP client."""
+    """The pool's probes and background rounds, over the gateway's own HTTP/1.1 client.
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self._client = client
+    A probe's answer and failures are httpx's types (``httpx.Response``, ``httpx.HTTPError``'s
+    tree), as the pool reads them: a connect that fails is ``ConnectError``, one that takes
+    too long ``ConnectTimeout``, an answer not whole within the probe's time ``ReadTimeout``,
+    a broken or cut answer ``RemoteProtocolError``, an error status ``HTTPStatusError``.
+    """
+
+    def __init__(self, wire: WireClient) -> None:
+        self._wire = wire
         self._running: set[tuple[object, str]] = set()
         """(worker, kind) of every probe running now."""
         self._tasks: list[asyncio.Task[None]] = []
 
     async def get(self, spec: WorkerSpec, path: str, limit_s: float) -> httpx.Response:
-        """GET ``path`` from the worker within ``limit_s``; an error status raises."""
-        headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-        response = await self._client.get(
-            f"{spec.base_url}{path}", headers=headers, timeout=limit_s
+        """GET ``path`` from the worker, whole within ``limit_s``; an error status raises."""
+        host, port, tls, head = endpoint(spec.base_url, path, spec.api_key, b"GET")
+        request = httpx.Request("GET", f"{spec.base_url}{path}")
+        try:
+            async with asyncio.timeout(limit_s):
+                answer = await self._wire.request(host, port, tls, lambda: (head, *_END_OF_HEAD))
+                try:
+                    body = await answer.read(_MAX_BODY)
+                    whole = answer.complete
+                finally:
+                    answer.close()
+        except TimeoutError as exc:
+            why = f"no whole answer within {limit_s:g} s"
+            raise httpx.ReadTimeout(why, request=request) from exc
+        except ConnectTimeout as exc:
+            raise httpx.ConnectTimeout(str(exc), request=request) from exc
+        except ConnectFailed as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        except (ProtocolError, ConnectionClosed) as exc:
+            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+        except WireError as exc:
+            raise httpx.TransportError(str(exc), request=request) from exc
+        if not whole:
+            raise httpx.RemoteProtocolError(f"an answer over {_MAX_BODY} bytes", request=request)
+        response = httpx.Response(
+            answer.status, headers=answer.headers, content=body, request=request
         )
         response.raise_for_status()
         return response

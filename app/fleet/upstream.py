@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import json
 import logging
 import resource
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -38,6 +36,7 @@ from app.fleet.wire import (
     Response,
     WireClient,
     WireError,
+    endpoint,
     tcp_connect,
 )
 from app.fleet.workers import Worker
@@ -227,7 +226,7 @@ async def _send(
     request_id: str,
 ) -> Response:
     spec = worker.spec
-    host, port, tls, head = _endpoint(spec.base_url, path, spec.api_key)
+    host, port, tls, head = endpoint(spec.base_url, path, spec.api_key)
     rid = request_id.encode("latin-1")
 
     def data() -> Iterable[bytes]:
@@ -286,26 +285,6 @@ async def worker_get(
         if response.status_code == 200:
             return response
     raise UpstreamUnavailable(f"No worker answered {path}.")
-
-
-@functools.lru_cache(maxsize=1024)
-def _endpoint(base_url: str, path: str, api_key: str | None) -> tuple[str, int, bool, bytes]:
-    """A worker endpoint's host, port, TLS, and the head every request to it starts with.
-
-    Built once: the request line, ``host``, the worker's key (never the client's) and identity
-    encoding, so that the bytes relayed are the worker's own.
-    """
-    url = urlsplit(f"{base_url}{path}")
-    tls = url.scheme == "https"
-    host = url.hostname or "localhost"
-    port = url.port or (443 if tls else 80)
-    target = url.path + (f"?{url.query}" if url.query else "")
-    head = b"POST %s HTTP/1.1\r\nhost: %s\r\naccept-encoding: identity\r\n" % (
-        target.encode("ascii"), url.netloc.encode("ascii"),
-    )  # fmt: skip
-    if api_key:
-        head += b"authorization: Bearer %s\r\n" % api_key.encode("latin-1")
-    return host, port, tls, head
 
 
 def _exhausted(exc: BaseException) -> OSError | None:

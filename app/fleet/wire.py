@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Final, cast
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -75,6 +77,29 @@ async def tcp_connect(
     """The real network: ``loop.create_connection``."""
     loop = asyncio.get_running_loop()
     return await loop.create_connection(factory, host, port, ssl=tls)
+
+
+@functools.lru_cache(maxsize=1024)
+def endpoint(
+    base_url: str, path: str, api_key: str | None, method: bytes = b"POST"
+) -> tuple[str, int, bool, bytes]:
+    """A worker endpoint's host, port, TLS, and the head every request to it starts with.
+
+    Built once: the request line, ``host``, the worker's key (never the client's) and identity
+    encoding, so that the bytes sent are the gateway's own. The head is open: the caller adds
+    its own fields and the blank line that ends it.
+    """
+    url = urlsplit(f"{base_url}{path}")
+    tls = url.scheme == "https"
+    host = url.hostname or "localhost"
+    port = url.port or (443 if tls else 80)
+    target = url.path + (f"?{url.query}" if url.query else "")
+    head = b"%s %s HTTP/1.1\r\nhost: %s\r\naccept-encoding: identity\r\n" % (
+        method, target.encode("ascii"), url.netloc.encode("ascii"),
+    )  # fmt: skip
+    if api_key:
+        head += b"authorization: Bearer %s\r\n" % api_key.encode("latin-1")
+    return host, port, tls, head
 
 
 class Response:

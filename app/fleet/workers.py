@@ -31,6 +31,7 @@ from app.fleet.loadsignals import LoadSample, held_back, parse_load
 from app.fleet.predictor import LatencyModel, RecentQuantile, WorkerLoad
 from app.fleet.prefix import PrefixIndex
 from app.fleet.probes import Prober
+from app.fleet.wire import WireClient
 from app.observe.metrics import OTHER_MODEL, GatewayMetrics
 from app.observe.timing import Clock
 from app.settings import Settings, WorkerSpec
@@ -311,19 +312,19 @@ class Worker:
 
 
 class WorkerPool:
-    """All workers, kept current by background tasks, with passive health from requests."""
+    """All workers, kept current by probes over ``wire``, with passive health from requests."""
 
     def __init__(
         self,
         settings: Settings,
-        client: httpx.AsyncClient,
+        wire: WireClient,
         metrics: GatewayMetrics,
         clock: Clock,
         resolver: Resolver,
     ) -> None:
         self.settings = settings
         self.workers: dict[str, Worker] = {}
-        self._prober = Prober(client)
+        self._prober = Prober(wire)
         self._gauges = WorkerGauges(settings, metrics)
         self._metrics = metrics
         self._clock = clock
