@@ -8,7 +8,7 @@ answers: whole, with an error status, late, not at all, or with a broken head.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 import pytest
@@ -72,6 +72,14 @@ async def serve() -> AsyncIterator[Serve]:
         server.close()
 
 
+@pytest.fixture
+def prober() -> Iterator[Prober]:
+    """A prober whose kept connections are closed after the test (their servers' too)."""
+    wire = WireClient(1.0)
+    yield Prober(wire)
+    wire.close()
+
+
 def _ok(body: bytes, status: bytes = b"200 OK") -> bytes:
     return b"HTTP/1.1 %s\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)
 
@@ -95,10 +103,10 @@ async def test_a_probe_reads_the_whole_answer_and_keeps_its_connection(serve: Se
     wire.close()
 
 
-async def test_an_error_status_raises_httpx_status_error(serve: Serve) -> None:
+async def test_an_error_status_raises_httpx_status_error(serve: Serve, prober: Prober) -> None:
     worker = await serve(lambda head: _ok(b"not ready", b"503 Service Unavailable"))
     with pytest.raises(httpx.HTTPStatusError) as caught:
-        await Prober(WireClient(1.0)).get(_spec(worker.port), "/health", 1.0)
+        await prober.get(_spec(worker.port), "/health", 1.0)
     assert caught.value.response.status_code == 503
 
 

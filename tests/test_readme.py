@@ -34,9 +34,12 @@ def test_the_metric_attributes_are_typed_as_their_specs_build_them() -> None:
     kinds = {"counter": "Counter", "gauge": "Gauge", "histogram": "Histogram"}
 
     def typed(kind: str, labelled: bool) -> str:
-        """A labelled metric is one of the module's Labelled aliases, else prometheus_client's."""
+        """A labelled metric is the module's Counter or Gauge alias or a BatchHistogram, one
+        without labels prometheus_client's."""
         name = kinds.get(kind, "BatchHistogram")
-        return name if labelled or name == "BatchHistogram" else f"prometheus_client.{name}"
+        if not labelled and name != "BatchHistogram":
+            return f"prometheus_client.{name}"
+        return "BatchHistogram" if name == "Histogram" else name
 
     expected = {
         spec.attr: typed(spec.kind, bool(spec.labels)) + (" | None" if spec.only_with else "")

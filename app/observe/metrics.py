@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from app.api.outcome import DECISION_REASONS, Decision, LimitCut, Reason, SloResult
 from app.api.protocol import Endpoint
+from app.observe.families import CounterFamily, GaugeFamily
 from app.observe.looplag import LAG_BUCKETS
 from app.observe.timing import TimingSummary
 from app.settings import OVERHEAD_BUCKETS, Hardware, Settings
@@ -105,12 +106,12 @@ class Labelled(Generic[Child]):
         self.metric.remove(*values)
 
 
-Counter = Labelled[prometheus_client.Counter]
-"""A labelled counter (:class:`Labelled`)."""
-Gauge = Labelled[prometheus_client.Gauge]
-"""A labelled gauge (:class:`Labelled`)."""
-Histogram = Labelled[prometheus_client.Histogram]
-"""A labelled histogram (:class:`Labelled`)."""
+Counter = CounterFamily | Labelled[prometheus_client.Counter]
+"""A labelled counter: the gateway's own (:class:`~app.observe.families.CounterFamily`), or in
+multiprocess mode prometheus_client's (:class:`Labelled`)."""
+Gauge = GaugeFamily | Labelled[prometheus_client.Gauge]
+"""A labelled gauge: the gateway's own (:class:`~app.observe.families.GaugeFamily`), or in
+multiprocess mode prometheus_client's (:class:`Labelled`)."""
 
 
 UPSTREAM_CONNECTIONS = "upstream_connections"
@@ -249,6 +250,8 @@ class EachSampleChild:
 
 
 MetricKind = Literal["counter", "gauge", "histogram", "batch_histogram"]
+"""A labelled ``histogram`` and a ``batch_histogram`` are both a :class:`BatchHistogram`; the
+kinds keep docs/metrics.md's word for a histogram whose samples come a request's at once."""
 GaugeMode = Literal[
     "all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent",
     "livemostrecent",
@@ -287,36 +290,42 @@ class MetricSpec:
     def build(
         self, settings: Settings, registry: CollectorRegistry
     ) -> (
-        Counter | Gauge | Histogram | BatchHistogram | prometheus_client.Counter
-        | prometheus_client.Gauge | prometheus_client.Histogram | None
+        Counter | Gauge | BatchHistogram | prometheus_client.Counter | prometheus_client.Gauge
+        | prometheus_client.Histogram | None
     ):  # fmt: skip
         """The metric, registered on ``registry`` (``None`` if ``settings`` leave it out).
 
-        A labelled one is :class:`Labelled`; one without labels is prometheus_client's own.
+        A labelled one is the gateway's own (:mod:`app.observe.families`, and
+        :class:`BatchHistogram` for histograms), whose children take no lock; in multiprocess
+        mode a labelled counter or gauge is prometheus_client's, which writes the files the
+        pod's ``/metrics`` merges (:class:`Labelled`). One without labels is prometheus_client's
+        own.
         """
         if self.only_with is not None and not getattr(settings, self.only_with):
             return None
-        # Each kind wrapped on its own: Labelled of a union is not a union of Labelled.
-        metric: prometheus_client.Counter | prometheus_client.Gauge | prometheus_client.Histogram
+        own = bool(self.labels) and multiprocess_dir() is None
         if self.kind == "counter":
-            metric = prometheus_client.Counter(
+            if own:
+                return CounterFamily(self.name, self.help_text, self.labels, registry)
+            counter = prometheus_client.Counter(
                 self.name, self.help_text, self.labels, registry=registry
             )
-            return Labelled(metric) if self.labels else metric
+            return Labelled(counter) if self.labels else counter
         if self.kind == "gauge":
+            if own:
+                return GaugeFamily(self.name, self.help_text, self.labels, registry)
             mode = self.multiprocess_mode or "all"
-            metric = prometheus_client.Gauge(
+            gauge = prometheus_client.Gauge(
                 self.name, self.help_text, self.labels, multiprocess_mode=mode, registry=registry
             )
-            return Labelled(metric) if self.labels else metric
+            return Labelled(gauge) if self.labels else gauge
         bounds = getattr(settings, self.buckets) if isinstance(self.buckets, str) else self.buckets
         if bounds is None:
             raise ValueError(f"{self.name}: a histogram needs buckets")
-        if self.kind == "histogram":
-            metric = prometheus_client.Histogram(
-                self.name, self.help_text, self.labels, buckets=bounds, registry=registry
+        if self.kind == "histogram" and not self.labels:
+            return prometheus_client.Histogram(
+                self.name, self.help_text, buckets=bounds, registry=registry
             )
-            return Labelled(metric) if self.labels else metric
         return BatchHistogram(self.name, self.help_text, self.labels, bounds, registry)
 
 
@@ -1069,21 +1078,21 @@ class GatewayMetrics:
     prompt_tokens: Counter
     completion_tokens: Counter
     in_flight: Gauge
-    ttft: Histogram
+    ttft: BatchHistogram
     itl: BatchHistogram
-    tpot: Histogram
-    e2e: Histogram
-    queue: Histogram
-    overhead: Histogram
-    failover: Histogram
+    tpot: BatchHistogram
+    e2e: BatchHistogram
+    queue: BatchHistogram
+    overhead: BatchHistogram
+    failover: BatchHistogram
     loop_lag: prometheus_client.Histogram
     admission_decisions: Counter
     saturated: Counter
     queue_depth: Gauge
     fairness_waiting_ids: Gauge
     fairness_top_share: Gauge
-    queue_wait: Histogram
-    prediction_error: Histogram
+    queue_wait: BatchHistogram
+    prediction_error: BatchHistogram
     slo_requests: Counter
     goodput_tokens: Counter
     goodput_ratio: Gauge
@@ -1102,7 +1111,7 @@ class GatewayMetrics:
     worker_kv_cache: Gauge
     worker_load_age: Gauge
     worker_in_flight: Gauge
-    worker_ttft: Histogram
+    worker_ttft: BatchHistogram
     worker_itl: BatchHistogram
     worker_completion_tokens: Counter
     worker_peak_flops: Gauge
@@ -1122,7 +1131,7 @@ class GatewayMetrics:
     worker_prefix_blocks: Gauge
     worker_kv_events: Counter
     worker_kv_lost: Counter
-    worker_kv_lag: Histogram
+    worker_kv_lag: BatchHistogram
     worker_kv_blocks: Gauge
     worker_kv_complete: Gauge
     prompt_tokenizations: Counter
