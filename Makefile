@@ -10,7 +10,7 @@ WORKER_PORT ?= 8100
 # pip's download cache stays inside the clone too (gitignored), not in ~/.cache.
 export PIP_CACHE_DIR ?= $(CURDIR)/.run/cache/pip
 
-.PHONY: help install worker ops-tools redis router run test lint typecheck unit bench bench-routing bench-admission bench-fairness clean
+.PHONY: help install compile worker ops-tools redis router run test lint typecheck unit bench bench-routing bench-admission bench-fairness clean
 
 help:
 	@echo "make run    - start a vLLM CPU worker and the gateway in front of it (port $(GATEWAY_PORT))"
@@ -22,12 +22,20 @@ help:
 	@echo "make bench-fairness  - keys of one tier sharing a saturated worker (fake worker)"
 	@echo "make unit   - the tests that need no vLLM worker"
 
+# The per-request decision modules, compiled with mypyc beside their sources (scripts/compile.py).
+COMPILED := $(shell sed -n 's/^    "\(app\/.*\.py\)",$$/\1/p' scripts/compile.py)
+NATIVE := .run/mypyc/.compiled
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 
-install: $(STAMP)
+$(NATIVE): $(STAMP) scripts/compile.py $(COMPILED)
+	$(BIN)/python -m scripts.compile
+	touch $@
+
+install: $(STAMP) $(NATIVE)
 
 worker:
 	bash scripts/install_worker.sh
@@ -45,6 +53,8 @@ redis:
 
 run: install worker
 	$(BIN)/python -m scripts.run_stack --gateway-port $(GATEWAY_PORT) --worker-port $(WORKER_PORT)
+
+compile: $(NATIVE)
 
 lint: install
 	$(BIN)/ruff check .
@@ -72,4 +82,5 @@ bench-fairness: install
 	$(BIN)/python -m bench.fairness $(ARGS)
 
 clean:
+	test ! -x $(BIN)/python || $(BIN)/python -m scripts.compile --clean
 	rm -rf $(VENV) .venv-worker .venv-ops .venv-router .run .mypy_cache .ruff_cache .pytest_cache

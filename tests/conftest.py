@@ -13,9 +13,25 @@ from pathlib import Path
 import openai
 import pytest
 
+from scripts.compile import stale
 from scripts.redis_server import RedisServer
 from tests.servers import free_port
 from tests.worker_watch import serving
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The suite tests what ships: the decision modules compiled, none older than its source.
+
+    Python imports a module's extension before its source, so a source edited since
+    ``make compile`` would go untested, the stale extension running in its place.
+    """
+    missing = stale()
+    if missing:
+        pytest.exit(
+            "compiled modules missing or older than their sources (run `make compile`): "
+            + ", ".join(missing),
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.fixture(scope="session")

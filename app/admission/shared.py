@@ -52,7 +52,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from app.admission.demand import ArrivalCounts, TierDemand
+from app.admission.demand import TierDemand
 from app.admission.fairshare import FairShare
 from app.fleet.workers import WorkerPool
 from app.observe.timing import Clock
@@ -192,8 +192,12 @@ class Verdict:
     """For ``tpm``: when the key's bucket is out of debt."""
 
 
-class FleetArrivals(ArrivalCounts):
-    """Other processes' recent arrivals, queued and running requests, as last read from Redis."""
+class FleetArrivals:
+    """Other processes' recent arrivals, queued and running requests, as last read from Redis.
+
+    An :class:`~app.admission.demand.ArrivalCounts` by its methods, not by inheritance: that
+    protocol is compiled (:mod:`scripts.compile`), and an interpreted class cannot derive from it.
+    """
 
     def __init__(self) -> None:
         self._counts: dict[float, Counter[int]] = {}

@@ -70,7 +70,13 @@ def test_dockerignore_keeps_workers_models_tests_and_venvs_out() -> None:
     # An allow-list: ignore everything, then re-include what `pip install .` needs.
     assert lines[0] == "*"
     included = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
-    assert included == {"pyproject.toml", "README.md", "app"}
+    assert included == {
+        "pyproject.toml",
+        "README.md",
+        "app",
+        "scripts/__init__.py",
+        "scripts/compile.py",
+    }
     for word, args in _instructions():
         if word != "COPY" or "--from" in args:
             continue
