@@ -6,12 +6,11 @@ with the shared ``app/native__mypyc.*.so``), where Python imports them before th
 ``--clean`` removes them. ``make install`` (and so ``make run`` and ``make test``) compiles
 what changed; the Dockerfile compiles the image's. Intermediate files go to ``.run/mypyc``.
 
-The modules are those that admission and routing run for every request, all synchronous state
-and arithmetic on native classes, where mypyc's direct attribute access and calls pay most: it
-took a 2-token request's gateway CPU from 525 to 432 µs (docs/dataplane.md). Modules whose
-requests cross ``await`` (the relay, the front end) stay interpreted: compiled, a variable
-narrowed inside ``try`` was read with its narrowed type in ``finally`` (a TypeError where
-Python reads None), and they gained little.
+The modules are those that admission, routing and the relay's accounting run for every request
+and every event: state and arithmetic on native classes, where mypyc's direct attribute access
+and calls pay most (docs/dataplane.md has what each set saved). The relay's attempts and serving,
+the front end and the wire stay interpreted: compiled, a variable narrowed inside ``try`` was read
+with its narrowed type in ``finally`` (a TypeError where Python reads None).
 """
 
 from __future__ import annotations
@@ -36,6 +35,16 @@ COMPILED: Final = (
     "app/fleet/prefix.py",
     "app/fleet/routing.py",
     "app/fleet/workers.py",
+    "app/relay/feedback.py",
+    "app/relay/record.py",
+    "app/relay/stream.py",
+    "app/relay/answer.py",
+    "app/observe/timing.py",
+    "app/observe/goodput.py",
+    "app/api/sse.py",
+    "app/admission/ticket.py",
+    "app/admission/fairshare.py",
+    "app/admission/drain.py",
 )
 """The modules compiled, as paths from the repository's root."""
 GROUP: Final = "app.native"

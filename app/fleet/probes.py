@@ -37,7 +37,6 @@ _W = TypeVar("_W")
 # A worker's /metrics page with many models and LoRA adapters runs to a few hundred KiB; a body
 # past this is not a page the pool can use.
 _MAX_BODY = 16 * 2**20
-_END_OF_HEAD = (b"\r\n",)
 
 
 class Prober:
@@ -58,10 +57,11 @@ class Prober:
     async def get(self, spec: WorkerSpec, path: str, limit_s: float) -> httpx.Response:
         """GET ``path`` from the worker, whole within ``limit_s``; an error status raises."""
         host, port, tls, head = endpoint(spec.base_url, path, spec.api_key, b"GET")
+        whole_head = (head + b"\r\n",)  # no body: the head ends here, in one write
         request = httpx.Request("GET", f"{spec.base_url}{path}")
         try:
             async with asyncio.timeout(limit_s):
-                answer = await self._wire.request(host, port, tls, lambda: (head, *_END_OF_HEAD))
+                answer = await self._wire.request(host, port, tls, lambda: whole_head)
                 try:
                     body = await answer.read(_MAX_BODY)
                     whole = answer.complete
