@@ -70,11 +70,8 @@ def stale() -> list[str]:
 
 
 def clean() -> None:
-    """Remove every extension built from :data:`COMPILED` and the shared library."""
-    for source in COMPILED:
-        for ext in built(source):
-            ext.unlink()
-    for ext in (ROOT / "app").glob("native__mypyc.*.so"):
+    """Remove every extension module under ``app/``: this script builds all there are."""
+    for ext in (ROOT / "app").rglob("*.so"):
         ext.unlink()
 
 
