@@ -14,7 +14,7 @@ metrics write: :meth:`app.observe.metrics.MetricSpec.build` builds those there i
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -37,6 +37,10 @@ class CounterChild:
             raise ValueError("counters can only be incremented by non-negative amounts")
         self.value += amount
 
+    def samples(self) -> tuple[tuple[str, float], ...]:
+        """``(suffix of the metric's name, value)`` of each of its series."""
+        return ("_total", self.value), ("_created", self.created)
+
 
 class GaugeChild:
     """One label set of a :class:`GaugeFamily`."""
@@ -58,27 +62,29 @@ class GaugeChild:
         """Set the value."""
         self.value = float(value)
 
+    def samples(self) -> tuple[tuple[str, float], ...]:
+        """``(suffix of the metric's name, value)`` of its one series."""
+        return (("", self.value),)
+
 
 C = TypeVar("C", CounterChild, GaugeChild)
 
 
 class _Family(Collector, Generic[C]):
-    """A labelled metric: its children by label values, made at zero on first use."""
-
-    _kind = ""
+    """A labelled metric of ``kind``: its children by label values, made at zero on first use."""
 
     def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
-    ) -> None:
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry,
+        kind: str, make: Callable[[], C],
+    ) -> None:  # fmt: skip
         self._name = name
         self._documentation = documentation
         self._labelnames = tuple(labelnames)
+        self._kind = kind
+        self._make: Callable[[], C] = make
         self._children: dict[tuple[str, ...], C] = {}
         self._labels: dict[tuple[str, ...], dict[str, str]] = {}
         registry.register(self)
-
-    def _child(self) -> C:
-        raise NotImplementedError
 
     def labels(self, *values: str) -> C:
         """The child for these label values (made at zero on first use)."""
@@ -88,7 +94,7 @@ class _Family(Collector, Generic[C]):
                 raise ValueError(f"{self._name} takes labels {self._labelnames}")
             # As prometheus_client does: each value as its str (an enum's, say).
             self._labels[values] = dict(zip(self._labelnames, map(str, values), strict=True))
-            child = self._children[values] = self._child()
+            child = self._children[values] = self._make()
         return child
 
     def remove(self, *values: str) -> None:
@@ -100,37 +106,29 @@ class _Family(Collector, Generic[C]):
         """The metric without samples (so registering does not collect)."""
         return [Metric(self._name, self._documentation, self._kind)]
 
+    def collect(self) -> Iterator[Metric]:
+        """The samples, child by child, as prometheus_client's own metric of the kind."""
+        metric = Metric(self._name, self._documentation, self._kind)
+        for values, child in list(self._children.items()):
+            labels = self._labels[values]
+            for suffix, value in child.samples():
+                metric.add_sample(self._name + suffix, labels, value)
+        yield metric
+
 
 class CounterFamily(_Family[CounterChild]):
     """A labelled counter: ``<name>_total`` and ``<name>_created`` per label set."""
 
-    _kind = "counter"
-
-    def _child(self) -> CounterChild:
-        return CounterChild()
-
-    def collect(self) -> Iterator[Metric]:
-        """The counter's samples, as prometheus_client's Counter exposes them."""
-        metric = Metric(self._name, self._documentation, "counter")
-        total, created = f"{self._name}_total", f"{self._name}_created"
-        for values, child in list(self._children.items()):
-            labels = self._labels[values]
-            metric.add_sample(total, labels, child.value)
-            metric.add_sample(created, labels, child.created)
-        yield metric
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry, "counter", CounterChild)
 
 
 class GaugeFamily(_Family[GaugeChild]):
     """A labelled gauge: ``<name>`` per label set."""
 
-    _kind = "gauge"
-
-    def _child(self) -> GaugeChild:
-        return GaugeChild()
-
-    def collect(self) -> Iterator[Metric]:
-        """The gauge's samples, as prometheus_client's Gauge exposes them."""
-        metric = Metric(self._name, self._documentation, "gauge")
-        for values, child in list(self._children.items()):
-            metric.add_sample(self._name, self._labels[values], child.value)
-        yield metric
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry, "gauge", GaugeChild)
