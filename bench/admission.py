@@ -750,12 +750,15 @@ class Bench:
             self.env["GATEWAY_REDIS_URL"] = redis.url
 
     @contextlib.contextmanager
-    def gateway(self, mode: str, name: str) -> Iterator[str]:
-        """A fresh gateway with admission ``on`` or ``off`` (and a Redis emptied for it)."""
+    def gateway(self, mode: str, name: str, cpu: list[float] | None = None) -> Iterator[str]:
+        """A fresh gateway with admission ``on`` or ``off`` (and a Redis emptied for it).
+
+        ``cpu`` gets the gateway's CPU seconds as the block ends (one process's).
+        """
         env = {**self.env, "GATEWAY_ADMISSION": "true" if mode == "on" else "false"}
         if self.redis is not None:
             self.redis.command("FLUSHALL")
-        with running_gateway(env, free_port(), f"admission-{name}-{mode}") as url:
+        with running_gateway(env, free_port(), f"admission-{name}-{mode}", cpu) as url:
             if self.redis is not None:
                 await_processes(self.redis, self.args.processes)
             yield url
@@ -776,11 +779,13 @@ class Bench:
         timelines: dict[str, list[dict[str, float]]] = {}
         cut_counts: dict[str, dict[str, float]] = {}
         client_cpu: dict[str, float] = {}
+        gateway_cpu: dict[str, float] = {}
         modes = self.args.modes.split(",")
         self.compared += 1
         for mode in modes if self.compared % 2 else modes[::-1]:
             await reset_prefix_caches(self.urls)
-            with self.gateway(mode, name) as gateway:
+            spent: list[float] = []
+            with self.gateway(mode, name, spent) as gateway:
                 if warmup:
                     await drive(gateway, warmup, self.keys)
                 timeline = timelines[mode] = []
@@ -793,6 +798,7 @@ class Bench:
                 took = time.perf_counter() - started
                 busy = (time.process_time() - cpu) / max(took, 1e-9)
             results[mode] = summarize(outcomes, duration)
+            gateway_cpu[mode] = spent[0] if spent else math.nan
             client_cpu[mode] = busy
             cuts = cut_counts[mode] = limit_cuts(timeline)
             raw[mode] = [o.as_dict() for o in outcomes]
@@ -800,14 +806,15 @@ class Bench:
             told = ", ".join(f"{cause} {n:g}" for cause, n in sorted(cuts.items())) or "none"
             log(f"{name} {mode}: goodput {on['goodput_rps']:.2f} req/s, {on['rejected']} "
                 f"rejected, {on['lost']} lost, all answered after {took:.0f} s; "
-                f"limit cuts: {told}; this client's CPU {100 * busy:.0f}%")  # fmt: skip
+                f"limit cuts: {told}; this client's CPU {100 * busy:.0f}%, the gateway's "
+                f"{gateway_cpu[mode]:.1f} s")  # fmt: skip
             if busy > CLIENT_BUSY:
                 log(f"WARNING: {name} {mode}: this client was busy {100 * busy:.0f}% of the run: "
                     "its own pace, not the gateway's, may be what was measured (fewer events: "
                     "the sims' --stream-interval)")  # fmt: skip
         return {
             "name": name, "results": results, "requests": raw, "timeline": timelines,
-            "limit_cuts": cut_counts, "client_cpu": client_cpu,
+            "limit_cuts": cut_counts, "client_cpu": client_cpu, "gateway_cpu_s": gateway_cpu,
         }  # fmt: skip
 
 

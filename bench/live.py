@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -136,8 +137,13 @@ def _ready(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running_gateway(env: Mapping[str, str], port: int, name: str) -> Iterator[str]:
-    """``python -m app`` with ``env`` on ``port`` until the block ends; yields its URL."""
+def running_gateway(
+    env: Mapping[str, str], port: int, name: str, cpu: list[float] | None = None
+) -> Iterator[str]:
+    """``python -m app`` with ``env`` on ``port`` until the block ends; yields its URL.
+
+    ``cpu``, when given, gets the CPU seconds the gateway spent, read as the block ends.
+    """
     log_path = RUN_DIR / f"bench-gateway-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {
@@ -164,7 +170,19 @@ def running_gateway(env: Mapping[str, str], port: int, name: str) -> Iterator[st
             time.sleep(0.2)
         yield url
     finally:
+        if cpu is not None:
+            cpu.append(process_cpu_s(process.pid))
         stop_process(process, grace=30)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process ``pid`` has spent so far (Linux; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    # utime and stime: the 14th and 15th fields, the 12th and 13th after the name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(slots=True)
