@@ -1135,6 +1135,62 @@ async def test_queued_request_past_its_deadline_gets_503_with_retry_after() -> N
     assert waited == pytest.approx(2.5)
 
 
+class CountingPlacement:
+    """Admission's placement, with the requests it was asked to place noted."""
+
+    def __init__(self, placer: object) -> None:
+        self._placer = placer
+        self.asked: list[str] = []
+
+    def choose(self, ticket: Ticket, *args: object) -> object:
+        self.asked.append(ticket.tier.name)
+        return self._placer.choose(ticket, *args)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._placer, name)
+
+
+async def test_a_dispatch_pass_looks_past_a_blocked_model_only_for_expired_requests() -> None:
+    clock = FakeClock()
+    admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)
+    worker = pool.workers["a:1"]
+    worker.in_flight = 1
+    batch = [
+        asyncio.create_task(admission.admit(_ticket(settings, clock, "batch"))) for _ in range(30)
+    ]
+    await asyncio.sleep(0)
+    clock.advance(58.0)
+    standard = [
+        asyncio.create_task(admission.admit(_ticket(settings, clock, "standard")))
+        for _ in range(30)
+    ]
+    await asyncio.sleep(0)
+    assert _decisions(metrics, "batch", "queued") == _decisions(metrics, "standard", "queued") == 30
+    counting = CountingPlacement(admission.placer)
+    admission.placer = counting  # type: ignore[assignment]
+    # The batch requests' 60 s are up, the standard ones' 5 s are not: one pass expires every
+    # batch request behind the blocked standard tier, and asks where to place one request.
+    clock.advance(2.5)
+    admission.dispatch()
+    assert counting.asked == ["standard"]
+    await asyncio.sleep(0)
+    assert all(isinstance(task.exception(), QueueTimeout) for task in batch)
+    assert _decisions(metrics, "batch", "expired") == 30
+    assert not any(task.done() for task in standard)
+    # A slot frees: the first standard request takes it, the next finds the model blocked.
+    worker.in_flight = 0
+    admission.dispatch()
+    assert counting.asked == ["standard"] * 3
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in standard) == 1
+    clock.advance(5.0)
+    admission.dispatch()
+    await asyncio.sleep(0)
+    assert sum(isinstance(task.exception(), QueueTimeout) for task in standard) == 29
+    assert _decisions(metrics, "standard", "expired") == 29
+    assert metrics.registry.get_sample_value("gateway_queue_depth", {"tier": "standard"}) == 0
+
+
 async def test_a_queued_request_leaves_the_queue_in_time_for_the_workers_recent_ttft() -> None:
     clock = FakeClock()
     admission, pool, metrics, settings = _controller(clock, max_running_per_worker=1)

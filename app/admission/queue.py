@@ -21,7 +21,6 @@ short periodic tick catches deadlines and predictions that change with time.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import itertools
 import logging
@@ -33,6 +32,7 @@ from app.admission.limits import Limits
 from app.admission.placement import Placement
 from app.admission.room import Room
 from app.admission.ticket import Ticket
+from app.admission.waiting import WaitQueue
 from app.api.errors import GatewayError, Overloaded, QueueTimeout, Shed, UpstreamUnavailable
 from app.api.outcome import Decision, Reason
 from app.fleet.lease import Choice, Lease
@@ -63,8 +63,7 @@ class AdmissionController:
         self._router = router
         self._metrics = metrics
         self._clock = clock
-        self._queue: list[Ticket] = []
-        self._keys: list[tuple[int, float, int]] = []
+        self._queue = WaitQueue()
         self._seq = itertools.count()
         self._poked = False
         self._ticker: asyncio.Task[None] | None = None
@@ -176,21 +175,14 @@ class AdmissionController:
 
     def _shed_for(self, ticket: Ticket) -> bool:
         """Drop the least urgent sheddable lower-tier request, if any (the queue is full)."""
-        victims = [
-            t for t in self._queue if t.tier.sheddable and t.tier.priority > ticket.tier.priority
-        ]
-        if not victims:
+        victim = self._queue.least_urgent(ticket.tier.priority)
+        if victim is None:
             return False
-        victim = max(victims, key=lambda t: t.key)
         self._remove(victim)
         self._decide(victim.tier, Decision.SHED, Reason.SHED)
         if victim.future is not None and not victim.future.done():
-            victim.future.set_exception(
-                Shed(
-                    "This request was shed to make room for more urgent work; retry later.",
-                    self.retry_after(victim),
-                )
-            )
+            message = "This request was shed to make room for more urgent work; retry later."
+            victim.future.set_exception(Shed(message, self.retry_after(victim)))
         return True
 
     def finished(self, ticket: Ticket) -> None:
@@ -223,14 +215,26 @@ class AdmissionController:
 
         Expired requests leave with 503, and each queued one, highest tier first, goes to a
         worker with room; within a tier in the fair order of :mod:`app.admission.fairshare`.
-        Nobody overtakes a blocked request of its own model.
+        Nobody overtakes a blocked request of its own model, and once every model a tier waits
+        for is blocked the tier's other requests are not looked at (:mod:`app.admission.waiting`).
         """
         self._poked = False
         now = self._clock()
         blocked: set[str] = set()
-        for tier in _tier_runs(self._queue):
-            for ticket in self.shares.order(tier, now):
+        queue = self._queue
+        for priority in queue.priorities():
+            while (first := queue.first(priority)) is not None and _gone(first, now):
+                self._offer(first, now, blocked)  # it leaves, expired or cancelled
+            models = queue.models(priority)
+            if not models or models <= blocked:
+                continue
+            tickets = queue.tier(priority)
+            if self.demand.yields(tickets[0].tier, now):
+                continue  # a tier above is short of capacity: this one leaves it the room
+            for ticket in self.shares.order(tickets, now):
                 self._offer(ticket, now, blocked)
+                if models <= blocked:
+                    break
 
     def _offer(self, ticket: Ticket, now: float, blocked: set[str]) -> None:
         """Expire ``ticket``, or admit it where there is room, or mark its model blocked."""
@@ -276,7 +280,7 @@ class AdmissionController:
 
     async def _tick(self) -> None:
         while self._queue:
-            nearest = min(t.deadline for t in self._queue)
+            nearest = self._queue.nearest_deadline()
             await asyncio.sleep(max(0.0, min(_TICK_S, nearest - self._clock())))
             self.dispatch()
 
@@ -290,9 +294,7 @@ class AdmissionController:
     # Bookkeeping --------------------------------------------------------------------------
 
     def _insert(self, ticket: Ticket) -> None:
-        index = bisect.bisect(self._keys, ticket.key)
-        self._keys.insert(index, ticket.key)
-        self._queue.insert(index, ticket)
+        self._queue.add(ticket)
         self.demand.queued[(ticket.model, ticket.tier.priority)] += 1
         self.shares.enqueued(ticket, 1)
         self._metrics.queue_depth.labels(ticket.tier.name).inc()
@@ -300,9 +302,7 @@ class AdmissionController:
             self.drain.backlogged(True, self._clock())
 
     def _remove(self, ticket: Ticket) -> None:
-        index = bisect.bisect_left(self._keys, ticket.key)
-        del self._queue[index]
-        del self._keys[index]
+        self._queue.remove(ticket)
         self.demand.queued[(ticket.model, ticket.tier.priority)] -= 1
         self.shares.enqueued(ticket, -1)
         self._metrics.queue_depth.labels(ticket.tier.name).dec()
@@ -348,15 +348,9 @@ class AdmissionController:
         return min(_MAX_RETRY_AFTER_S, max(0.1, self._ahead(ticket) / rate))
 
 
-def _tier_runs(queue: list[Ticket]) -> list[list[Ticket]]:
-    """``queue`` cut into its tiers' runs (it is ordered by tier priority first)."""
-    runs: list[list[Ticket]] = []
-    for ticket in queue:
-        if runs and runs[-1][0].tier.priority == ticket.tier.priority:
-            runs[-1].append(ticket)
-        else:
-            runs.append([ticket])
-    return runs
+def _gone(ticket: Ticket, now: float) -> bool:
+    """Whether ``ticket``'s deadline has passed, or its request went (no one waits on it)."""
+    return ticket.deadline <= now or ticket.future is None or ticket.future.done()
 
 
 def _whose(ticket: Ticket) -> str:
