@@ -391,7 +391,12 @@ class Settings(BaseSettings):
         "tier's is 0, higher tiers' lower): a worker run with `--scheduling-policy priority` "
         "orders its waiting requests and its preemptions by it; others ignore it.",
     )
-    max_queue_length: int = Field(default=1024, ge=0, description="Admission queue bound.")
+    max_queue_length: int = Field(
+        default=5000,
+        ge=0,
+        description="Admission queue bound, all tiers together (the tiers' deadlines bound "
+        "each request's wait).",
+    )
     ttft_headroom: float = Field(
         default=0.8,
         gt=0,
