@@ -753,7 +753,7 @@ class Bench:
     def gateway(self, mode: str, name: str, cpu: list[float] | None = None) -> Iterator[str]:
         """A fresh gateway with admission ``on`` or ``off`` (and a Redis emptied for it).
 
-        ``cpu`` gets the gateway's CPU seconds as the block ends (one process's).
+        ``cpu`` gets the gateway's CPU seconds as the block ends (its processes' together).
         """
         env = {**self.env, "GATEWAY_ADMISSION": "true" if mode == "on" else "false"}
         if self.redis is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import re
@@ -29,6 +28,7 @@ from typing import Any, Final
 
 import httpx
 
+from bench.overhead import proc_cpu_s
 from scripts.processes import stop_process
 from scripts.vllm_worker import MODEL_DIR, ROOT, RUN_DIR, VllmWorker, kv_events_args
 
@@ -142,7 +142,8 @@ def running_gateway(
 ) -> Iterator[str]:
     """``python -m app`` with ``env`` on ``port`` until the block ends; yields its URL.
 
-    ``cpu``, when given, gets the CPU seconds the gateway spent, read as the block ends.
+    ``cpu``, when given, gets the CPU seconds the gateway (its processes) spent, read as the
+    block ends.
     """
     log_path = RUN_DIR / f"bench-gateway-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,18 +172,8 @@ def running_gateway(
         yield url
     finally:
         if cpu is not None:
-            cpu.append(process_cpu_s(process.pid))
+            cpu.append(proc_cpu_s(process.pid))  # its children's too (GATEWAY_PROCESSES)
         stop_process(process, grace=30)
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user and system) process ``pid`` has spent so far (Linux; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return math.nan
-    # utime and stime: the 14th and 15th fields, the 12th and 13th after the name.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(slots=True)
