@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -19,7 +20,7 @@ def _ticket(tier: str, deadline: float, seq: int, model: str = "m") -> Ticket:
 
 
 def test_tickets_are_in_tier_then_deadline_then_arrival_order() -> None:
-    queue = WaitQueue()
+    queue = WaitQueue(Counter())
     b = _ticket("batch", 1.0, 0)
     s_late = _ticket("standard", 9.0, 1)
     s_soon = _ticket("standard", 3.0, 2)
@@ -42,15 +43,18 @@ def test_tickets_are_in_tier_then_deadline_then_arrival_order() -> None:
 
 
 def test_removing_a_ticket_updates_what_each_tier_waits_for() -> None:
-    queue = WaitQueue()
+    counts: Counter[tuple[str, int]] = Counter()
+    queue = WaitQueue(counts)
     a1, a2 = _ticket("standard", 1.0, 0, "a"), _ticket("standard", 2.0, 1, "a")
     b1 = _ticket("standard", 3.0, 2, "b")
     for ticket in (a1, a2, b1):
         queue.add(ticket)
     assert queue.models(1) == {"a", "b"}
     assert queue.models(0) == set()
+    assert counts == {("a", 1): 2, ("b", 1): 1}
     queue.remove(b1)
     assert queue.models(1) == {"a"}
+    assert counts == {("a", 1): 2}
     queue.remove(a1)
     queue.remove(a2)
     assert not queue
@@ -61,7 +65,7 @@ def test_removing_a_ticket_updates_what_each_tier_waits_for() -> None:
 
 
 def test_the_least_urgent_sheddable_ticket_is_the_lowest_tiers_latest() -> None:
-    queue = WaitQueue()
+    queue = WaitQueue(Counter())
     unsheddable = TierSpec(
         name="bulk", priority=3, ttft_slo_s=60.0, max_queue_wait_s=60.0, sheddable=False
     )

@@ -102,7 +102,8 @@ class TierDemand:
         """Per tier priority: when it last had a request turned away."""
         self._rates: tuple[float, dict[int, float]] = _NOT_COMPUTED
         self.queued: Counter[tuple[str, int]] = Counter()
-        """Requests queued here per (model, tier priority): admission keeps it, others read it."""
+        """Requests queued here per (model, tier priority): admission's queue keeps it
+        (:class:`app.admission.waiting.WaitQueue`), others read it."""
         self.fleet: ArrivalCounts | None = None
         """The rest of the fleet's arrivals, added to this process's own (None: alone)."""
 

@@ -63,11 +63,11 @@ class AdmissionController:
         self._router = router
         self._metrics = metrics
         self._clock = clock
-        self._queue = WaitQueue()
         self._seq = itertools.count()
         self._poked = False
         self._ticker: asyncio.Task[None] | None = None
         self.room = Room(settings, limits, TierDemand(clock, limits.tpot_aim), clock)
+        self._queue = WaitQueue(self.room.demand.queued)
         self.drain = DrainRate()
         self.placer = Placement(router, self.room)
         """Where a request can run now."""
@@ -295,7 +295,6 @@ class AdmissionController:
 
     def _insert(self, ticket: Ticket) -> None:
         self._queue.add(ticket)
-        self.demand.queued[(ticket.model, ticket.tier.priority)] += 1
         self.shares.enqueued(ticket, 1)
         self._metrics.queue_depth.labels(ticket.tier.name).inc()
         if len(self._queue) == 1:
@@ -303,7 +302,6 @@ class AdmissionController:
 
     def _remove(self, ticket: Ticket) -> None:
         self._queue.remove(ticket)
-        self.demand.queued[(ticket.model, ticket.tier.priority)] -= 1
         self.shares.enqueued(ticket, -1)
         self._metrics.queue_depth.labels(ticket.tier.name).dec()
         if not self._queue:

@@ -22,15 +22,17 @@ from app.admission.ticket import Ticket
 class WaitQueue:
     """The queued tickets, in queue order (:attr:`app.admission.ticket.Ticket.key`).
 
-    A ticket's key must not change while it is queued.
+    A ticket's key must not change while it is queued. ``counts`` is kept as tickets come and
+    go: the tickets queued per (model, tier priority), a model's entry gone at zero
+    (:attr:`app.admission.demand.TierDemand.queued`, which others read).
     """
 
-    __slots__ = ("_keys", "_models", "_tickets")
+    __slots__ = ("_counts", "_keys", "_tickets")
 
-    def __init__(self) -> None:
+    def __init__(self, counts: Counter[tuple[str, int]]) -> None:
         self._tickets: list[Ticket] = []
         self._keys: list[tuple[int, float, int]] = []
-        self._models: Counter[tuple[int, str]] = Counter()
+        self._counts = counts
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -52,7 +54,7 @@ class WaitQueue:
         index = bisect.bisect(self._keys, ticket.key)
         self._keys.insert(index, ticket.key)
         self._tickets.insert(index, ticket)
-        self._models[(ticket.tier.priority, ticket.model)] += 1
+        self._counts[(ticket.model, ticket.tier.priority)] += 1
 
     def remove(self, ticket: Ticket) -> None:
         """Take ``ticket`` out of the queue (it must be in it)."""
@@ -61,18 +63,18 @@ class WaitQueue:
             raise ValueError("the ticket is not queued")
         del self._tickets[index]
         del self._keys[index]
-        key = (ticket.tier.priority, ticket.model)
-        self._models[key] -= 1
-        if not self._models[key]:
-            del self._models[key]
+        key = (ticket.model, ticket.tier.priority)
+        self._counts[key] -= 1
+        if not self._counts[key]:
+            del self._counts[key]
 
     def priorities(self) -> list[int]:
         """The priorities of the tiers with requests queued, highest tier first."""
-        return sorted({priority for priority, _ in self._models})
+        return sorted({priority for _, priority in self._counts})
 
     def models(self, priority: int) -> set[str]:
         """The models the requests of tier ``priority`` wait for."""
-        return {model for p, model in self._models if p == priority}
+        return {model for model, p in self._counts if p == priority}
 
     def tier(self, priority: int) -> list[Ticket]:
         """Tier ``priority``'s queued tickets, earliest deadline first (a copy)."""
