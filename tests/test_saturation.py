@@ -689,16 +689,19 @@ def test_a_projection_lifts_a_limit_no_higher_than_the_worker_ran_while_holding_
     assert limit.hold(64, 0.0)
     assert limit.limit == 64
     # Streams well within the aim project 8x that; settled or not, 64 is what it runs.
-    limit.lift(512, 10.0)
+    limit.lift(512, 6.0)
     assert limit.limit == 64
     # Streams within the aim at the limit still grow it (the cap may have grown), but past
-    # what it ran while holding back by one per batch's worth of them, not one each.
+    # what it ran while holding back by one per limit's worth of them, not one each.
     results = next(
-        n for n in range(1, 200) if limit.on_result(0.1, 0.8, 1.0, 64, 11.0) or limit.limit > 64
+        n for n in range(1, 200) if limit.on_result(0.1, 0.8, 1.0, 64, 9.0) or limit.limit > 64
     )
     assert limit.limit == 65
     assert 60 <= results <= 70
-    # Holding back at 70 later: projections may lift to 70 (but not yet: held at 65 first).
+    # Over ten seconds after the hold, with none since: one each again.
+    limit.on_result(0.1, 0.8, 1.0, 65, 10.5)
+    assert limit.limit == 66
+    # Holding back at 70 later: projections may lift to 70 (but not yet: held at 66 first).
     assert not limit.hold(70, 12.0)
     limit.lift(512, 20.0)
     assert limit.limit == 70

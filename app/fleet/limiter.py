@@ -226,9 +226,15 @@ class ConcurrencyLimit:
             # Past what the worker ran while holding requests back, by one per limit's worth
             # of results, as TCP grows past its slow-start threshold. One per result took
             # simulated workers of 64 sequences to 75-87 within seconds of each hold, and the
-            # excess waited in their own queues, where no tier or deadline applies.
-            step = 1.0 if self.value < self._held else 1.0 / self.value
-            self.value = min(self.maximum, self.value + step)
+            # excess waited in their own queues, where no tier or deadline applies. Once it
+            # held nothing back for _HOLD_WINDOW_S, by one per result again: a hold read at 12
+            # running at half the fleet's capacity left a limit growing by one per 2.4 s for
+            # minutes, and what a worker can run grows when its requests get shorter.
+            holds = self._holds
+            slow = (
+                self.value >= self._held and len(holds) > 0 and now - holds[-1][0] <= _HOLD_WINDOW_S
+            )
+            self.value = min(self.maximum, self.value + (1.0 / self.value if slow else 1.0))
         if load is not None and latency > 0:
             self.lift(min(load * aim / latency, ceiling), now)
         return False
