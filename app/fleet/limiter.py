@@ -203,13 +203,14 @@ class ConcurrencyLimit:
     ) -> bool:
         """Learn from one finished request's ``latency``; ``in_flight`` includes it.
 
-        At most ``aim``: room to grow (by one if it ran at the limit; to ``load`` x aim / latency,
-        at most ``ceiling``, if that is more and no cut is recent, ``load`` being the mean number of
-        requests it shared the worker with, itself included). Over ``target``: a miss, cut. In
-        between: no change. Cutting only on real misses, rather than on every request over the aim,
-        lets the limit settle where the latency spread straddles the aim instead of well below it
-        (which on a compute-bound worker gave up throughput for no SLO gain).
-        Returns whether the limit fell (only a miss lowers it).
+        At most ``aim``: room to grow (by one if it ran at the limit, by 1 / limit at or past what
+        the worker ran while holding requests back within the last ``_HOLD_WINDOW_S``; to ``load``
+        x aim / latency, at most ``ceiling``, if that is more and no cut is recent, ``load`` being
+        the mean number of requests it shared the worker with, itself included). Over
+        ``target``: a miss, cut. In between: no change. Cutting only on real misses, rather than
+        on every request over the aim, lets the limit settle where the latency spread straddles
+        the aim instead of well below it (which on a compute-bound worker gave up throughput for
+        no SLO gain). Returns whether the limit fell (only a miss lowers it).
         """
         self._observe(in_flight)
         if latency > target:
