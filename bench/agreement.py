@@ -3,6 +3,9 @@
 ``python -m bench.agreement [--streams 1,4,16,64] [--worker URL] [--aiperf PATH]``
 ``python -m bench.agreement --goodput 200 [--streams 4,16]``: goodput as the client counts it
 (:func:`goodput`) beside the gateway's ``gateway_slo_requests_total``.
+``python -m bench.agreement --goodput 600 --engine sim [--rate 22] [--sim-args ARGS]``: the same
+against a simulated GPU-scale worker (:mod:`bench.sim_worker`), at the first tokens of an 8B
+model on an H100 under load: 1,024 prompt and 128 output tokens, Poisson arrivals.
 
 ``vllm.benchmarks.serve`` (from the worker's venv) runs through the gateway against a real vLLM
 CPU worker serving ``tiny-llama`` (started here, pinned to every CPU but the last, unless
@@ -26,6 +29,7 @@ import json
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +38,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.live import log, running_gateway, running_workers, unwind_on_sigterm, write_json
 from bench.overhead import free_port
+from bench.sim_worker import EngineConfig, running_sims
 from scripts.vllm_worker import MODEL_DIR, WORKER_PYTHON, VllmWorker, worker_env
 
 MODEL = "tiny-llama"
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What the client sends: the served model, prompt and answer lengths, arrivals."""
+
+    model: str = MODEL
+    input_len: int = 64
+    output_len: int = 48
+    rate: float | None = None
+    """Poisson arrivals a second (vllm bench's ``--request-rate``); None: back to back."""
+
+
+CPU_REQUESTS = Requests()
+"""The tiny-llama CPU worker's requests: a first token in 10-40 ms."""
 _FINE = [round(i * 0.00025, 5) for i in range(1, 1201)] + [0.5, 1.0, 2.5, 5.0, 10.0, 60.0]
 _RUNNER = (
     "import sys\n"
@@ -74,11 +94,16 @@ async def _histograms(url: str) -> dict[str, list[tuple[float, float]]]:
     return {name: sorted(bounds.items()) for name, bounds in found.items()}
 
 
-def _bench(gateway: str, streams: int, prompts: int, out: Path, *more: str) -> dict[str, Any]:
+def _bench(
+    gateway: str, streams: int, prompts: int, out: Path, *more: str,
+    requests: Requests = CPU_REQUESTS,
+) -> dict[str, Any]:  # fmt: skip
+    rate = [] if requests.rate is None else ["--request-rate", str(requests.rate)]
     args = [
         "--backend", "openai-chat", "--base-url", gateway, "--endpoint", "/v1/chat/completions",
-        "--model", MODEL, "--tokenizer", str(MODEL_DIR), "--dataset-name", "random",
-        "--random-input-len", "64", "--random-output-len", "48", "--ignore-eos",
+        "--model", requests.model, "--tokenizer", str(MODEL_DIR), "--dataset-name", "random",
+        "--random-input-len", str(requests.input_len),
+        "--random-output-len", str(requests.output_len), "--ignore-eos", *rate,
         "--num-prompts", str(prompts), "--max-concurrency", str(streams), "--seed", "7",
         "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
@@ -145,11 +170,7 @@ def measure(worker: str, streams: int, aiperf: str | None = None) -> dict[str, A
         after = asyncio.run(_histograms(url))
 
     def p(name: str, q: float) -> float:
-        if name not in after:  # a gateway without that histogram
-            return float("nan")
-        old = dict(before.get(name, []))
-        delta = [(bound, count - old.get(bound, 0.0)) for bound, count in after[name]]
-        return quantile(delta, q) * 1000
+        return _grown_quantile(before, after, name, q)
 
     return {
         "streams": streams,
@@ -162,6 +183,23 @@ def measure(worker: str, streams: int, aiperf: str | None = None) -> dict[str, A
         "loop_lag_p50_ms": p("gateway_event_loop_lag_seconds", 0.5),
         "loop_lag_p90_ms": p("gateway_event_loop_lag_seconds", 0.9),
     }
+
+
+_TTFT = "gateway_time_to_first_token_seconds"
+
+
+def _grown_quantile(
+    before: dict[str, list[tuple[float, float]]],
+    after: dict[str, list[tuple[float, float]]],
+    name: str,
+    q: float,
+) -> float:
+    """The ``q`` quantile in ms of what histogram ``name`` counted between two scrapes."""
+    if name not in after:  # a gateway without that histogram
+        return float("nan")
+    old = dict(before.get(name, []))
+    delta = [(bound, count - old.get(bound, 0.0)) for bound, count in after[name]]
+    return quantile(delta, q) * 1000
 
 
 async def _slo_counts(url: str) -> dict[str, float]:
@@ -177,23 +215,35 @@ async def _slo_counts(url: str) -> dict[str, float]:
 
 
 def _tpots_ms(result: dict[str, Any]) -> list[float]:
-    return [sum(gaps) / len(gaps) * 1000 for gaps in result["itls"] if gaps]
+    """Each request's TPOT as vllm bench serve judges goodput: (latency - TTFT) / (tokens - 1)."""
+    runs = zip(result["latencies"], result["ttfts"], result["output_lens"], strict=True)
+    return [(end - ttft) / max(1, n - 1) * 1000 for end, ttft, n in runs]
 
 
-def goodput(worker: str, streams: int, prompts: int) -> list[dict[str, Any]]:
+def goodput(
+    worker: str, streams: int, prompts: int, requests: Requests = CPU_REQUESTS
+) -> list[dict[str, Any]]:
     """``vllm bench serve --goodput`` against the gateway's ``gateway_slo_requests_total``.
 
     The same targets go to the client (``--goodput``) and, as ``x-slo-ttft-ms`` /
     ``x-slo-tpot-ms`` headers, to the gateway, which judges each request by them. The targets
     come from a first run: its TTFT median alone (half the requests miss it), its TPOT median
     alone, both p90s, and both loose (an hour). Admission off: every request is served as it
-    comes.
+    comes. Each row also has both sides' TTFT p50 (the gateway's from buckets 0.25 ms wide):
+    a TTFT target splits the requests alike only where the two clocks agree.
     """
-    env = {"GATEWAY_WORKERS": worker, "GATEWAY_ADMISSION": "false"}
+    env = {
+        "GATEWAY_WORKERS": worker,
+        "GATEWAY_ADMISSION": "false",
+        "GATEWAY_TTFT_BUCKETS": json.dumps(_FINE),
+    }
     rows: list[dict[str, Any]] = []
     with running_gateway(env, free_port(), f"goodput-{streams}") as url:
         with tempfile.TemporaryDirectory() as tmp:
-            first = _bench(url, streams, prompts, Path(tmp) / "first.json", "--save-detailed")
+            first = _bench(
+                url, streams, prompts, Path(tmp) / "first.json", "--save-detailed",
+                requests=requests,
+            )  # fmt: skip
         ttfts = sorted(t * 1000 for t in first["ttfts"])
         tpots = sorted(_tpots_ms(first))
         loose = 3_600_000.0
@@ -204,21 +254,26 @@ def goodput(worker: str, streams: int, prompts: int) -> list[dict[str, Any]]:
             ("loose", loose, loose),
         ]
         for name, ttft, tpot in pairs:
-            before = asyncio.run(_slo_counts(url))
+            before, histograms = asyncio.run(_slo_counts(url)), asyncio.run(_histograms(url))
             with tempfile.TemporaryDirectory() as tmp:
                 client = _bench(
                     url, streams, prompts, Path(tmp) / "run.json",
                     "--goodput", f"ttft:{ttft:.3f}", f"tpot:{tpot:.3f}",
-                    "--header", f"x-slo-ttft-ms={ttft:.3f}",
-                    "--header", f"x-slo-tpot-ms={tpot:.3f}",
+                    # One --header with both: vllm bench keeps only its last --header.
+                    "--header", f"x-slo-ttft-ms={ttft:.3f}", f"x-slo-tpot-ms={tpot:.3f}",
+                    requests=requests,
                 )  # fmt: skip
             after = asyncio.run(_slo_counts(url))
+            grown = asyncio.run(_histograms(url))
+            ttft_p50 = _grown_quantile(histograms, grown, _TTFT, 0.5)
             met = after.get("met", 0.0) - before.get("met", 0.0)
             good = round(client["request_goodput"] * client["duration"])
             rows.append({
+                "engine": requests.model, "rate": requests.rate,
                 "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
                 "requests": client["completed"], "client_good": good, "gateway_met": met,
                 "disagree_share": abs(good - met) / max(client["completed"], 1),
+                "client_ttft_p50_ms": client["median_ttft_ms"], "gateway_ttft_p50_ms": ttft_p50,
             })  # fmt: skip
     return rows
 
@@ -230,15 +285,18 @@ def _ms(value: float) -> str:
 def goodput_table(rows: Sequence[dict[str, Any]]) -> str:
     """The goodput comparison as a markdown table."""
     lines = [
-        "| streams | targets | TTFT target | TPOT target | requests | client good "
-        "| gateway met | apart |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| worker | arrivals | streams | targets | TTFT target | TPOT target | requests "
+        "| client good | gateway met | apart | TTFT p50 client / gateway |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        arrivals = "back to back" if r["rate"] is None else f"{r['rate']:g}/s"
         lines.append(
-            f"| {r['streams']} | {r['targets']} | {_ms(r['ttft_ms'])} | {_ms(r['tpot_ms'])}"
+            f"| {r['engine']} | {arrivals} | {r['streams']} | {r['targets']}"
+            f" | {_ms(r['ttft_ms'])} | {_ms(r['tpot_ms'])}"
             f" | {r['requests']} | {r['client_good']} | {r['gateway_met']:.0f}"
-            f" | {100 * r['disagree_share']:.1f}% |"
+            f" | {100 * r['disagree_share']:.1f}%"
+            f" | {r['client_ttft_p50_ms']:.2f} / {r['gateway_ttft_p50_ms']:.2f} ms |"
         )
     return "\n".join(lines)
 
@@ -268,6 +326,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker", default=None, help="a running tiny-llama worker's URL")
     parser.add_argument("--aiperf", default=None, help="an aiperf executable, as the client")
     parser.add_argument(
+        "--engine",
+        choices=("vllm", "sim"),
+        default="vllm",
+        help="--goodput's worker: the tiny-llama CPU worker, or a simulated GPU-scale one",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=22.0, help="--engine sim: Poisson arrivals a second"
+    )
+    parser.add_argument(
+        "--sim-args", default="", help="--engine sim: the simulated worker's command line"
+    )
+    parser.add_argument(
         "--goodput",
         type=int,
         default=0,
@@ -280,17 +350,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels = [int(level) for level in args.streams.split(",")]
     rows: list[dict[str, Any]] = []
     if args.goodput:
+        requests = CPU_REQUESTS
+        if args.engine == "sim":
+            requests = Requests(EngineConfig().model, 1024, 128, args.rate)
         with contextlib.ExitStack() as stack:
-            url = (
-                args.worker
-                or stack.enter_context(running_workers([VllmWorker(port=free_port())]))[0].url
-            )
+            if args.worker:
+                url = args.worker
+            elif args.engine == "sim":
+                url = stack.enter_context(running_sims(1, args.sim_args.split()))[0]
+            else:
+                url = stack.enter_context(running_workers([VllmWorker(port=free_port())]))[0].url
             for level in levels:
-                rows += goodput(url, level, args.goodput)
+                rows += goodput(url, level, args.goodput, requests)
         for row in rows:
             log(json.dumps(row))
         print(goodput_table(rows))
-        write_json("goodput-agreement", {"client": "vllm", "rows": rows})
+        write_json(f"goodput-agreement-{args.engine}", {"client": "vllm", "rows": rows})
         return 0
     if args.worker:
         rows = [measure(args.worker, level, args.aiperf) for level in levels]
