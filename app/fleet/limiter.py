@@ -231,10 +231,8 @@ class ConcurrencyLimit:
             # held nothing back for _HOLD_WINDOW_S, by one per result again: a hold read at 12
             # running at half the fleet's capacity left a limit growing by one per 2.4 s for
             # minutes, and what a worker can run grows when its requests get shorter.
-            holds = self._holds
-            slow = (
-                self.value >= self._held and len(holds) > 0 and now - holds[-1][0] <= _HOLD_WINDOW_S
-            )
+            # A finite _held means a hold was read (hold() appends before it sets _held).
+            slow = self.value >= self._held and now - self._holds[-1][0] <= _HOLD_WINDOW_S
             self.value = min(self.maximum, self.value + (1.0 / self.value if slow else 1.0))
         if load is not None and latency > 0:
             self.lift(min(load * aim / latency, ceiling), now)
