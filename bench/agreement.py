@@ -81,9 +81,13 @@ def quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
     return lower
 
 
-async def _histograms(url: str) -> dict[str, list[tuple[float, float]]]:
+async def _page(url: str) -> str:
+    """The gateway's ``/metrics`` page."""
     async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(f"{url}/metrics")).text
+        return (await client.get(f"{url}/metrics")).text
+
+
+def _histograms(text: str) -> dict[str, list[tuple[float, float]]]:
     found: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -161,13 +165,13 @@ def measure(worker: str, streams: int, aiperf: str | None = None) -> dict[str, A
         # A warm-up, so that neither side's first connection counts.
         with tempfile.TemporaryDirectory() as tmp:
             _bench(url, min(streams, 4), 8, Path(tmp) / "warmup.json")
-        before = asyncio.run(_histograms(url))
+        before = _histograms(asyncio.run(_page(url)))
         with tempfile.TemporaryDirectory() as tmp:
             if aiperf is None:
                 client = _bench(url, streams, prompts, Path(tmp) / "bench.json")
             else:
                 client = _aiperf(aiperf, url, streams, prompts, Path(tmp))
-        after = asyncio.run(_histograms(url))
+        after = _histograms(asyncio.run(_page(url)))
 
     def p(name: str, q: float) -> float:
         return _grown_quantile(before, after, name, q)
@@ -202,9 +206,7 @@ def _grown_quantile(
     return quantile(delta, q) * 1000
 
 
-async def _slo_counts(url: str) -> dict[str, float]:
-    async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(f"{url}/metrics")).text
+def _slo_counts(text: str) -> dict[str, float]:
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -254,7 +256,8 @@ def goodput(
             ("loose", loose, loose),
         ]
         for name, ttft, tpot in pairs:
-            before, histograms = asyncio.run(_slo_counts(url)), asyncio.run(_histograms(url))
+            page = asyncio.run(_page(url))
+            before, histograms = _slo_counts(page), _histograms(page)
             with tempfile.TemporaryDirectory() as tmp:
                 client = _bench(
                     url, streams, prompts, Path(tmp) / "run.json",
@@ -263,8 +266,8 @@ def goodput(
                     "--header", f"x-slo-ttft-ms={ttft:.3f}", f"x-slo-tpot-ms={tpot:.3f}",
                     requests=requests,
                 )  # fmt: skip
-            after = asyncio.run(_slo_counts(url))
-            grown = asyncio.run(_histograms(url))
+            page = asyncio.run(_page(url))
+            after, grown = _slo_counts(page), _histograms(page)
             ttft_p50 = _grown_quantile(histograms, grown, _TTFT, 0.5)
             met = after.get("met", 0.0) - before.get("met", 0.0)
             good = round(client["request_goodput"] * client["duration"])
