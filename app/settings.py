@@ -434,8 +434,9 @@ class Settings(BaseSettings):
         gt=0,
         description="A worker holding back this many requests for capacity "
         "(vllm:num_requests_waiting_by_reason) on two scrapes in a row, with steps run between "
-        "them and no more running than before, is saturated: no more are sent to it, and its "
-        "limit becomes the most it ran so in the last 10 s.",
+        "them, no more running than before, and running at least 0.8x the most it was seen to "
+        "run (or its KV cache full), is saturated: no more are sent to it, and its limit "
+        "becomes the most it ran so in the last 10 s.",
     )
     saturation_kv_cache: float = Field(
         default=0.8,

@@ -89,7 +89,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     worker = pool.workers["a:1"]
     # The worker holds 5 requests back for capacity, and its first tokens come late.
     for at, generated in ((-0.5, 100), (0.0, 110)):  # two pages, a step between, 5 held back
-        worker.saw_load(LoadSample(10, 5, 0.3, clock.now + at, 5, generated=generated), 0, 1.0)
+        worker.saw_load(LoadSample(10, 5, 0.3, clock.now + at, 5, generated=generated), 0, 1.0, 0.8)
     for _ in range(50):
         worker.recent_ttft.observe(0.7, clock.now)
     batch = asyncio.create_task(admission.admit(_ticket(settings, clock, "batch")))
@@ -119,7 +119,7 @@ async def test_a_saturated_worker_queues_lower_tiers_and_sheds_them_with_reasons
     # The worker stops holding requests back; interactive was short of capacity 2 s ago, so
     # lower tiers have let it go first until now: the standard request runs.
     clock.advance(2.0)
-    worker.saw_load(LoadSample(4, 0, 0.1, clock.now, capacity_waiting=0), 0, 1.0)
+    worker.saw_load(LoadSample(4, 0, 0.1, clock.now, capacity_waiting=0), 0, 1.0, 0.8)
     admission.dispatch()
     lease, waited = await standard
     assert lease.worker is worker
@@ -274,18 +274,52 @@ def test_holding_back_is_seen_on_two_pages_with_a_step_between(
 ) -> None:
     first = parse_load(_busy_page(*before), 1.0)
     second = parse_load(_busy_page(*after), 1.5)
-    assert held_back(first, second, 1.0) is held
-    assert not held_back(None, second, 1.0)
-    assert not held_back(second, second, 1.0)  # the same sample twice
+    assert held_back(first, second, 1.0, 12, 0.8) is held
+    assert not held_back(None, second, 1.0, 12, 0.8)
+    assert not held_back(second, second, 1.0, 12, 0.8)  # the same sample twice
 
 
 def test_without_a_generated_count_two_pages_in_a_row_suffice() -> None:
     first = LoadSample(12, 3, 0.5, 1.0, capacity_waiting=3)
-    assert held_back(first, LoadSample(12, 3, 0.5, 1.5, capacity_waiting=3), 1.0)
-    assert not held_back(first, LoadSample(13, 3, 0.5, 1.5, capacity_waiting=3), 1.0)
+    assert held_back(first, LoadSample(12, 3, 0.5, 1.5, capacity_waiting=3), 1.0, 12, 0.8)
+    assert not held_back(first, LoadSample(13, 3, 0.5, 1.5, capacity_waiting=3), 1.0, 13, 0.8)
     assert not held_back(
-        LoadSample(12, 3, 0.5, 1.0), LoadSample(12, 3, 0.5, 1.5), 1.0
+        LoadSample(12, 3, 0.5, 1.0), LoadSample(12, 3, 0.5, 1.5), 1.0, 12, 0.8
     )  # an engine that does not say why it waits
+
+
+@pytest.mark.parametrize(
+    ("running", "most", "kv", "held"),
+    [
+        (64, 64, 0.1, True),  # at the most it ever ran: its cap
+        (52, 64, 0.1, True),  # sequences ended together this step: still near it
+        (25, 45, 0.1, False),  # far under it: prompts wait for a step's token budget
+        (25, 45, 0.85, True),  # its KV cache is full: that is its cap now
+    ],
+)
+def test_holding_back_far_under_the_most_it_ran_is_a_step_budget_not_a_cap(
+    running: int, most: int, kv: float, held: bool
+) -> None:
+    first = LoadSample(running, 3, kv, 1.0, capacity_waiting=3, generated=100)
+    second = LoadSample(running, 3, kv, 1.5, capacity_waiting=3, generated=112)
+    assert held_back(first, second, 1.0, most, 0.8) is held
+
+
+async def test_a_worker_far_under_its_peak_keeps_its_limit_through_budget_waits() -> None:
+    clock = FakeClock()
+    pool = _controller(clock)[1]
+    worker = pool.workers["a:1"]
+    # It ran 45 at once; later, at 25, two pages show prompts waiting on a step's budget.
+    worker.saw_load(LoadSample(45, 0, 0.1, clock.now - 2, 0, generated=50), 0, 1.0, 0.8)
+    for at, generated in ((-0.5, 100), (0.0, 110)):
+        sample = LoadSample(25, 4, 0.1, clock.now + at, 4, generated=generated)
+        assert not worker.saw_load(sample, 0, 1.0, 0.8)
+    assert worker.most_running == 45
+    # Back at its peak, the same pages are its cap.
+    for at, generated in ((0.5, 120), (1.0, 130)):
+        sample = LoadSample(45, 4, 0.1, clock.now + at, 4, generated=generated)
+        held = worker.saw_load(sample, 0, 1.0, 0.8)
+    assert held
 
 
 def test_goodput_counts_what_the_service_could_have_served() -> None:

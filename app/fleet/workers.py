@@ -84,6 +84,8 @@ class Worker:
         self.held_back = False
         """Whether its last two load samples say it holds requests back for capacity
         (:func:`app.fleet.loadsignals.held_back`): it runs all it can."""
+        self.most_running = 0.0
+        """The most it has been read to run since it was last seen up (a cap shows here)."""
         self.latency = LatencyModel()
         self.limit = limit or ConcurrencyLimit(initial=256, maximum=256)
         """How many requests admission lets run here, steered by their measured TPOT."""
@@ -263,13 +265,15 @@ class Worker:
             return False
         return self.held_back or sample.kv_cache_usage >= kv_cache
 
-    def saw_load(self, sample: LoadSample, own: int, waiting: float) -> bool:
+    def saw_load(self, sample: LoadSample, own: int, waiting: float, kv_full: float) -> bool:
         """Take ``sample`` as its load, ``own`` being this process's requests in it.
 
         Returns whether it now holds ``waiting`` or more requests back for capacity
-        (:func:`app.fleet.loadsignals.held_back`, from this sample and the one before).
+        (:func:`app.fleet.loadsignals.held_back`, from this sample and the one before, with
+        ``kv_full`` the KV-cache use that counts as full).
         """
-        self.held_back = held_back(self.load, sample, waiting)
+        self.most_running = max(self.most_running, sample.running)
+        self.held_back = held_back(self.load, sample, waiting, self.most_running, kv_full)
         self.load = sample
         self.own_at_scrape = own
         return self.held_back
@@ -546,9 +550,8 @@ class WorkerPool:
         except (httpx.HTTPError, ValueError):
             return  # the sample ages and counts as busy; health is the probe's business
         before = worker.load
-        saturated = worker.saw_load(
-            sample, min(own, worker.in_flight), self.settings.saturation_waiting
-        )
+        s, own = self.settings, min(own, worker.in_flight)
+        saturated = worker.saw_load(sample, own, s.saturation_waiting, s.saturation_kv_cache)
         # A worker that runs all it can and queues the rest: its limit is what it runs, which
         # both pages showed (app.fleet.loadsignals.held_back).
         ran = sample.running if before is None else max(before.running, sample.running)
@@ -566,8 +569,9 @@ class WorkerPool:
         """
         if up and not worker.up:
             log.info("worker %s is up, serving %s", worker.label, sorted(worker.models))
-            # Back from being unreachable, perhaps restarted: its prefix cache may be empty.
+            # Back from being unreachable, perhaps restarted: its cache and caps may be new.
             worker.prefixes.clear()
+            worker.most_running = 0.0
             if self.kv_events is not None and worker.kv is not None:
                 self.kv_events.restart(worker.label)  # its history read again, from 0
         elif not up and (worker.up or worker.last_seen is None):
