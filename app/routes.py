@@ -181,6 +181,16 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/health", response_model=None)
+async def health(request: Request) -> Response:
+    """vLLM's own health check: 200 with an empty body while the gateway can serve (as
+    ``/readyz``), 503 otherwise. Clients that check a vLLM server before a run (guidellm's
+    backend validation) ask this path."""
+    state = get_state(request)
+    ready = state.pool.ready() and not state.shutdown.draining
+    return Response(status_code=200 if ready else 503)
+
+
 @router.get("/readyz", response_model=None)
 async def readyz(request: Request) -> JSONResponse:
     """Ready when at least one worker answered its last probe, and not draining."""

@@ -443,6 +443,7 @@ async def test_unreachable_worker_is_a_503_and_not_ready() -> None:
         ready = await client.get("/readyz")
         assert ready.status_code == 503
         assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/health")).status_code == 503  # vLLM's: can it serve?
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -492,6 +493,8 @@ async def test_models_lists_worker_cards_with_vllm_fields(
     async with httpx.AsyncClient(base_url=url) as client:
         models = (await client.get("/v1/models")).json()
         ready = await client.get("/readyz")
+        health = await client.get("/health")
+    assert (health.status_code, health.content) == (200, b"")  # as vLLM answers it
     assert models["object"] == "list"
     assert models["data"][0]["root"] == MODEL
     assert models["data"][0]["max_model_len"] == 1024

@@ -88,6 +88,7 @@ async def test_sigterm_turns_not_ready_drains_and_cuts_what_outlives_the_grace(
             while (await client.get("/readyz")).status_code != 503:
                 assert time.monotonic() - signalled < 0.1
                 await asyncio.sleep(0.005)
+            assert (await client.get("/health")).status_code == 503  # vLLM's check, too
             late = await _stream(client, 4, asyncio.Event())
             assert late.endswith(b"data: [DONE]\n\n")
             # A stream that ends within the grace period ends as usual.
