@@ -6,6 +6,8 @@
 ``python -m bench.agreement --goodput 600 --engine sim [--rate 22] [--sim-args ARGS]``: the same
 against a simulated GPU-scale worker (:mod:`bench.sim_worker`), at the first tokens of an 8B
 model on an H100 under load: 1,024 prompt and 128 output tokens, Poisson arrivals.
+``--guidellm PATH`` runs guidellm 0.8 (installed apart, in a venv of its own: it pulls in
+torch) as ``--goodput``'s client instead of vLLM's.
 
 ``vllm.benchmarks.serve`` (from the worker's venv) runs through the gateway against a real vLLM
 CPU worker serving ``tiny-llama`` (started here, pinned to every CPU but the last, unless
@@ -31,7 +33,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -222,14 +224,119 @@ def _tpots_ms(result: dict[str, Any]) -> list[float]:
     return [(end - ttft) / max(1, n - 1) * 1000 for end, ttft, n in runs]
 
 
-def goodput(
-    worker: str, streams: int, prompts: int, requests: Requests = CPU_REQUESTS
-) -> list[dict[str, Any]]:
-    """``vllm bench serve --goodput`` against the gateway's ``gateway_slo_requests_total``.
+@dataclass(frozen=True)
+class ClientRun:
+    """One run of a benchmark client: its request count, goodput count and per-request times."""
 
-    The same targets go to the client (``--goodput``) and, as ``x-slo-ttft-ms`` /
-    ``x-slo-tpot-ms`` headers, to the gateway, which judges each request by them. The targets
-    come from a first run: its TTFT median alone (half the requests miss it), its TPOT median
+    completed: int
+    good: int
+    ttfts_ms: list[float]
+    tpots_ms: list[float]
+    """As the client judges TPOT for goodput."""
+    ttft_p50_ms: float
+
+
+class Client(Protocol):
+    """A benchmark client, as :func:`goodput` runs it."""
+
+    def __call__(
+        self, gateway: str, streams: int, prompts: int, requests: Requests, targets: Targets
+    ) -> ClientRun:
+        """Run ``prompts`` requests through ``gateway``, the targets also sent as headers."""
+
+
+Targets = tuple[float, float]
+"""TTFT and TPOT targets in ms."""
+
+
+def vllm_bench(
+    gateway: str, streams: int, prompts: int, requests: Requests, targets: Targets
+) -> ClientRun:
+    """``vllm bench serve --goodput``, the targets also in one ``--header``."""
+    ttft, tpot = targets
+    with tempfile.TemporaryDirectory() as tmp:
+        run = _bench(
+            gateway, streams, prompts, Path(tmp) / "run.json", "--save-detailed",
+            "--goodput", f"ttft:{ttft:.3f}", f"tpot:{tpot:.3f}",
+            # One --header with both: vllm bench keeps only its last --header.
+            "--header", f"x-slo-ttft-ms={ttft:.3f}", f"x-slo-tpot-ms={tpot:.3f}",
+            requests=requests,
+        )  # fmt: skip
+    good = round(run["request_goodput"] * run["duration"])
+    ttfts = [t * 1000 for t in run["ttfts"]]
+    return ClientRun(run["completed"], good, ttfts, _tpots_ms(run), run["median_ttft_ms"])
+
+
+def guidellm(executable: str) -> Client:
+    """The guidellm 0.8 client: ``executable``, installed apart (not a dependency here).
+
+    Its goodput SLO (``metrics.slo``) judges TPOT by the inter-token latency (first to last
+    token over tokens - 1); the targets go as headers through its backend's ``extras``.
+    Arrivals: Poisson at the rate, or ``streams`` concurrent streams back to back.
+    """
+
+    def run(
+        gateway: str, streams: int, prompts: int, requests: Requests, targets: Targets
+    ) -> ClientRun:
+        ttft, tpot = targets
+        profile: dict[str, Any] = (
+            {"kind": "concurrent", "streams": [streams]}
+            if requests.rate is None
+            else {"kind": "poisson", "rate": [requests.rate], "max_concurrency": streams}
+        )
+        headers = {"x-slo-ttft-ms": f"{ttft:.3f}", "x-slo-tpot-ms": f"{tpot:.3f}"}
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            spec = {
+                "backend": {
+                    "kind": "openai_http", "target": gateway, "model": requests.model,
+                    "request_format": "/v1/chat/completions", "extras": {"headers": headers},
+                },
+                "profile": profile,
+                "constraints": [{"kind": "max_requests", "count": prompts}],
+                "data": [{
+                    "kind": "synthetic_text", "prompt_tokens": requests.input_len,
+                    "output_tokens": requests.output_len,
+                }],
+                "tokenizer": {"kind": "huggingface_auto", "model": str(MODEL_DIR)},
+                "seed": {"kind": "static", "value": 7},
+                "metrics": {"kind": "generative", "slo": {"ttft_ms": ttft, "tpot_ms": tpot}},
+                "outputs": [{"kind": "json", "path": str(out)}],
+            }  # fmt: skip
+            scenario = Path(tmp) / "scenario.json"
+            scenario.write_text(json.dumps({"metadata": {"name": "agreement"}, "spec": spec}))
+            done = subprocess.run(
+                [executable, "run", "-c", str(scenario), "--disable-progress"],
+                capture_output=True, text=True, timeout=900, check=False,
+            )  # fmt: skip
+            if done.returncode != 0 or not out.exists():
+                raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+            (result,) = json.loads(out.read_text())["benchmarks"]
+        stats = result["requests"]["successful"]
+        metrics = result["metrics"]
+        good = round(metrics["slo_attainment"] * metrics["slo_determined_requests"])
+        ttfts = [r["time_to_first_token_ms"] for r in stats]
+        ordered = sorted(ttfts)
+        return ClientRun(
+            len(stats), good, ttfts, [r["inter_token_latency_ms"] for r in stats],
+            ordered[len(ordered) // 2],
+        )  # fmt: skip
+
+    return run
+
+
+def goodput(
+    worker: str,
+    streams: int,
+    prompts: int,
+    requests: Requests = CPU_REQUESTS,
+    client: Client = vllm_bench,
+) -> list[dict[str, Any]]:
+    """A client's goodput (vllm bench's by default) beside ``gateway_slo_requests_total``.
+
+    The same targets go to the client and, as ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` headers,
+    to the gateway, which judges each request by them. The targets come from a first run of
+    the same client: its TTFT median alone (half the requests miss it), its TPOT median
     alone, both p90s, and both loose (an hour). Admission off: every request is served as it
     comes. Each row also has both sides' TTFT p50 (the gateway's from buckets 0.25 ms wide):
     a TTFT target splits the requests alike only where the two clocks agree.
@@ -240,15 +347,10 @@ def goodput(
         "GATEWAY_TTFT_BUCKETS": json.dumps(_FINE),
     }
     rows: list[dict[str, Any]] = []
+    loose = 3_600_000.0
     with running_gateway(env, free_port(), f"goodput-{streams}") as url:
-        with tempfile.TemporaryDirectory() as tmp:
-            first = _bench(
-                url, streams, prompts, Path(tmp) / "first.json", "--save-detailed",
-                requests=requests,
-            )  # fmt: skip
-        ttfts = sorted(t * 1000 for t in first["ttfts"])
-        tpots = sorted(_tpots_ms(first))
-        loose = 3_600_000.0
+        first = client(url, streams, prompts, requests, (loose, loose))
+        ttfts, tpots = sorted(first.ttfts_ms), sorted(first.tpots_ms)
         pairs = [
             ("TTFT p50", ttfts[len(ttfts) // 2], loose),
             ("TPOT p50", loose, tpots[len(tpots) // 2]),
@@ -258,25 +360,17 @@ def goodput(
         for name, ttft, tpot in pairs:
             page = asyncio.run(_page(url))
             before, histograms = _slo_counts(page), _histograms(page)
-            with tempfile.TemporaryDirectory() as tmp:
-                client = _bench(
-                    url, streams, prompts, Path(tmp) / "run.json",
-                    "--goodput", f"ttft:{ttft:.3f}", f"tpot:{tpot:.3f}",
-                    # One --header with both: vllm bench keeps only its last --header.
-                    "--header", f"x-slo-ttft-ms={ttft:.3f}", f"x-slo-tpot-ms={tpot:.3f}",
-                    requests=requests,
-                )  # fmt: skip
+            run = client(url, streams, prompts, requests, (ttft, tpot))
             page = asyncio.run(_page(url))
             after, grown = _slo_counts(page), _histograms(page)
             ttft_p50 = _grown_quantile(histograms, grown, _TTFT, 0.5)
             met = after.get("met", 0.0) - before.get("met", 0.0)
-            good = round(client["request_goodput"] * client["duration"])
             rows.append({
                 "engine": requests.model, "rate": requests.rate,
                 "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
-                "requests": client["completed"], "client_good": good, "gateway_met": met,
-                "disagree_share": abs(good - met) / max(client["completed"], 1),
-                "client_ttft_p50_ms": client["median_ttft_ms"], "gateway_ttft_p50_ms": ttft_p50,
+                "requests": run.completed, "client_good": run.good, "gateway_met": met,
+                "disagree_share": abs(run.good - met) / max(run.completed, 1),
+                "client_ttft_p50_ms": run.ttft_p50_ms, "gateway_ttft_p50_ms": ttft_p50,
             })  # fmt: skip
     return rows
 
@@ -329,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker", default=None, help="a running tiny-llama worker's URL")
     parser.add_argument("--aiperf", default=None, help="an aiperf executable, as the client")
     parser.add_argument(
+        "--guidellm", default=None, help="--goodput: a guidellm executable, as the client"
+    )
+    parser.add_argument(
         "--engine",
         choices=("vllm", "sim"),
         default="vllm",
@@ -363,12 +460,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 url = stack.enter_context(running_sims(1, args.sim_args.split()))[0]
             else:
                 url = stack.enter_context(running_workers([VllmWorker(port=free_port())]))[0].url
+            client = vllm_bench if args.guidellm is None else guidellm(args.guidellm)
             for level in levels:
-                rows += goodput(url, level, args.goodput, requests)
+                rows += goodput(url, level, args.goodput, requests, client)
         for row in rows:
             log(json.dumps(row))
         print(goodput_table(rows))
-        write_json(f"goodput-agreement-{args.engine}", {"client": "vllm", "rows": rows})
+        name = "vllm" if args.guidellm is None else "guidellm"
+        write_json(f"goodput-agreement-{args.engine}-{name}", {"client": name, "rows": rows})
         return 0
     if args.worker:
         rows = [measure(args.worker, level, args.aiperf) for level in levels]
