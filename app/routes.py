@@ -183,9 +183,11 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/health", response_model=None)
 async def health(request: Request) -> Response:
-    """vLLM's own health check: 200 with an empty body while the gateway can serve (as
-    ``/readyz``), 503 otherwise. Clients that check a vLLM server before a run (guidellm's
-    backend validation) ask this path."""
+    """The health check vLLM serves: 200, empty, while the gateway can serve; else 503.
+
+    It can serve as ``/readyz`` says. Clients that check a vLLM server before a run ask this
+    path (guidellm's backend validation).
+    """
     state = get_state(request)
     ready = state.pool.ready() and not state.shutdown.draining
     return Response(status_code=200 if ready else 503)
