@@ -188,9 +188,7 @@ async def health(request: Request) -> Response:
     It can serve as ``/readyz`` says. Clients that check a vLLM server before a run ask this
     path (guidellm's backend validation).
     """
-    state = get_state(request)
-    ready = state.pool.ready() and not state.shutdown.draining
-    return Response(status_code=200 if ready else 503)
+    return Response(status_code=200 if _ready(get_state(request)) else 503)
 
 
 @router.get("/readyz", response_model=None)
@@ -199,8 +197,7 @@ async def readyz(request: Request) -> JSONResponse:
     state = get_state(request)
     now = state.pool.now()
     workers = {label: worker.healthy(now) for label, worker in state.pool.workers.items()}
-    draining = state.shutdown.draining
-    ready = state.pool.ready() and not draining
+    draining, ready = state.shutdown.draining, _ready(state)
     status = "ready" if ready else "draining" if draining else "no worker reachable"
     return JSONResponse({"status": status, "workers": workers}, status_code=200 if ready else 503)
 
@@ -217,6 +214,11 @@ async def metrics(request: Request) -> PlainTextResponse:
     return PlainTextResponse(
         generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
     )
+
+
+def _ready(state: GatewayState) -> bool:
+    """Whether the gateway can serve: a worker answered its last probe, and it is not draining."""
+    return state.pool.ready() and not state.shutdown.draining
 
 
 def _session(
