@@ -1207,14 +1207,27 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _export(ref: str, logs: Path) -> Path:
-    """The tree of git commit ``ref``, extracted next to the logs (for gateway-b)."""
+    """The tree of git commit ``ref``, extracted next to the logs (for gateway-b).
+
+    Its modules are compiled as ``make install`` compiles the working tree's, where that commit
+    has ``scripts/compile.py``: an A/B must not set compiled code against interpreted.
+    """
     dest = logs / f"tree-{ref.replace('/', '_')}"
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", ref, "app", "scripts", "pyproject.toml"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
     archive = subprocess.run(
-        ["git", "archive", "--format=tar", ref, "app"], cwd=ROOT, capture_output=True, check=True
+        ["git", "archive", "--format=tar", ref, *listed], cwd=ROOT, capture_output=True, check=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    if (dest / "scripts" / "compile.py").exists():
+        subprocess.run(
+            [sys.executable, "-m", "scripts.compile"], cwd=dest, check=True,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
     return dest
 
 
