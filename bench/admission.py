@@ -120,8 +120,13 @@ SEEDED_LOADS = (1.5, 2.0, 3.0)
 COLD_BURST = 64
 BURSTY = ((5.0, 2.0), (5.0, 0.25)) * 4
 """(seconds, x capacity) spans of the bursty run."""
-DIURNAL = (0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 2.5, 2.0, 1.5, 1.0, 0.5, 0.2)
-"""x capacity of the diurnal run's windows (``--diurnal-window`` seconds each)."""
+DIURNAL = (0.2, 0.5, 1.0, 1.5, 2.0, 2.5, 2.5, 2.0, 1.5, 1.0, 0.5, *(0.2,) * 5)
+"""x capacity of the diurnal run's windows (``--diurnal-window`` seconds each).
+
+The day ends with five light windows: the peak leaves a queue (the arrivals above capacity
+that were not refused) that the light load's spare capacity drains only over a few windows,
+and only the light windows after it drained are judged.
+"""
 LIGHT = 0.75
 """At or below this x capacity, admission must change nothing."""
 SYSTEM_PROMPT: Final = fresh_text(200, random.Random(0))
@@ -981,7 +986,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--diurnal-window",
         type=float,
         default=15.0,
-        help="seconds per window of the diurnal run (0.2x -> 2.5x -> 0.2x in 12 windows); "
+        help="seconds per window of the diurnal run (0.2x -> 2.5x -> 0.2x in 16 windows); "
         "0: no diurnal run",
     )
     parser.add_argument("--calibrate", type=float, default=40.0, help="seconds per calibration run")

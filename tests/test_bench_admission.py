@@ -100,14 +100,17 @@ def test_the_diurnal_run_is_judged_by_window_once_the_peaks_backlog_drained() ->
     assert windows[0]["on"]["all"]["rejected"] == 1
     assert windows[0]["off"]["all"]["goodput_rps"] == pytest.approx(0.1)
     drained = [w["start_s"] for w in windows if w["drained"]]
-    # Light windows before the peak, and the last light one after the queue emptied.
-    assert drained == [0.0, 10.0, peak_ends + 10.0]
+    # Light windows before the peak, and the light ones after the queue emptied.
+    after = [w["start_s"] for w in windows if w["start_s"] >= peak_ends + 10.0]
+    assert len(after) >= 2
+    assert drained == [0.0, 10.0, *after]
     run = {"name": "diurnal", "load": None, "windows": windows, "results": {
         mode: {"all": {"rejected": 0, "lost": 0, "goodput_rps": 1.0}} for mode in ("on", "off")
     }}  # fmt: skip
+    judged = ", ".join(f"'{start:.0f} s': 1" for start in drained)
     assert (
         "MISS diurnal: no rejection in a window under 0.75x once the peak's backlog drained: "
-        f"{{'0 s': 1, '10 s': 1, '{peak_ends + 10.0:.0f} s': 1}}"
+        f"{{{judged}}}"
     ) in checks([run])
 
 
