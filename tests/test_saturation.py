@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.admission.limits import Limits
 from app.admission.ticket import Ticket
@@ -43,6 +44,67 @@ def test_the_workers_capacity_signals_are_read_from_its_metrics_page() -> None:
     assert sample.capacity_waiting == 0
     # cache_config_info's kv_cache_size_tokens: 16384 blocks of 128 tokens.
     assert sample.kv_tokens == 16384 * 128
+
+
+def _reference_load(text: str) -> dict[str, float]:
+    """The sums parse_load makes, from prometheus-client's own parser (the reference)."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:num_requests_waiting_by_reason":
+                if sample.labels.get("reason") != "capacity":
+                    continue
+            elif sample.name == "vllm:cache_config_info":
+                sums["kv_tokens"] = sums.get("kv_tokens", 0.0) + float(
+                    sample.labels["kv_cache_size_tokens"]
+                )
+                sums["block_size"] = float(sample.labels["block_size"])
+                continue
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def test_the_load_read_from_a_page_is_what_prometheus_clients_parser_reads() -> None:
+    # Two engines (data-parallel ranks), a label value with escapes, a timestamp, the first
+    # line a sample, and a series whose name starts like a read one's.
+    page = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        "# HELP vllm:num_requests_waiting Waiting.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m \\"x\\" \\\\ y"} 2.0 1700000000000\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m \\"x\\" \\\\ y"} 5.0\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
+        "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 1.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="deferred"} 7.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="1",reason="capacity"} 2.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{engine="0"} 0.25\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.75\n'
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{engine="0"} 100.0\n'
+        'vllm:generation_tokens_created{engine="0"} 1.7e+09\n'
+        'vllm:generation_tokens_total{engine="1"} 50.0\n'
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="1024"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",kv_cache_size_tokens="2048"} 1.0\n'
+    )
+    for text in (page, (SAMPLES / "metrics_busy.txt").read_text()):
+        sample, reference = parse_load(text, at=1.0), _reference_load(text)
+        assert sample.running == reference["vllm:num_requests_running"]
+        assert sample.waiting == reference["vllm:num_requests_waiting"]
+        assert sample.capacity_waiting == reference["vllm:num_requests_waiting_by_reason"]
+        assert sample.generated == reference["vllm:generation_tokens_total"]
+        assert sample.kv_tokens == reference["kv_tokens"]
+        assert sample.block_size == reference["block_size"]
+    sample = parse_load(page, at=1.0)
+    assert (sample.running, sample.waiting, sample.capacity_waiting) == (7, 7, 3)
+    assert (sample.kv_cache_usage, sample.generated, sample.kv_tokens) == (0.75, 150, 3072)
+    with pytest.raises(ValueError, match="num_requests_running"):
+        parse_load("# TYPE vllm:num_requests_running gauge\n", at=1.0)
+    with pytest.raises(ValueError, match="could not convert"):
+        parse_load("vllm:num_requests_running 1.0\nvllm:num_requests_waiting many\n", at=1.0)
 
 
 async def test_a_cold_burst_of_64_on_an_idle_worker_is_all_admitted_at_once() -> None:

@@ -1,16 +1,13 @@
 """A worker's load, read from its Prometheus ``/metrics`` page.
 
-vLLM's page is large (dozens of histograms); only the few gauges routing needs are cut out with
-one regular expression before prometheus-client's parser sees them, so a scrape costs little
-time on the event loop.
+vLLM's page is large (dozens of histograms); only the few series routing needs are read, their
+sample lines found with one regular expression, so a scrape costs little time on the event loop.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
@@ -21,12 +18,18 @@ _GENERATED = "vllm:generation_tokens_total"
 _NEAR_MOST = 0.8
 """A batch at its cap runs this share of it or more: a step where sequences end together runs
 a few fewer (52-60 of 64 seen on simulated workers)."""
-_WANTED = re.compile(
-    r"^(?:# (?:HELP|TYPE) )?vllm:(?:num_requests_running|num_requests_waiting|"
-    r"num_requests_waiting_by_reason|kv_cache_usage_perc|gpu_cache_usage_perc|"
-    r"cache_config_info|generation_tokens(?:_total)?)\b.*$",
-    re.MULTILINE,
+# A sample line of one of the series read (``name{labels} value [timestamp]``), found in one
+# scan of the page, which is large (dozens of histograms), and read without a general parser:
+# prometheus-client's took 0.6 ms of the event loop for vLLM's 54 KB page, this 0.04 ms. The
+# pattern starts with a newline, not ``^`` in multi-line mode, so the scan searches for its
+# literal start (``^`` is tried at every character: 0.2 ms).
+_SAMPLE = re.compile(
+    r"\n(vllm:(?:num_requests_running|num_requests_waiting|num_requests_waiting_by_reason|"
+    r"kv_cache_usage_perc|gpu_cache_usage_perc|cache_config_info|generation_tokens_total))"
+    r"(?:\{(.*)\})?[ \t]+(\S+)",
 )
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ESCAPED = re.compile(r"\\(.)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +60,11 @@ class LoadSample:
 
 
 def parse_load(text: str, at: float) -> LoadSample:
-    """Sum running and waiting over the page's label sets; take the fullest KV cache."""
-    wanted = "\n".join(match.group(0) for match in _WANTED.finditer(text))
+    """Sum running and waiting over the page's label sets; take the fullest KV cache.
+
+    Raises ValueError when the page has no running gauge (not a vLLM worker's) or a value of
+    the series read is not a number.
+    """
     running = waiting = kv = 0.0
     capacity: float | None = None
     kv_tokens: float | None = None
@@ -66,30 +72,46 @@ def parse_load(text: str, at: float) -> LoadSample:
     prefix_caching = True
     generated: float | None = None
     found = False
-    for family in text_string_to_metric_families(wanted + "\n"):
-        for sample in family.samples:
-            if sample.name == _RUNNING:
-                running += sample.value
-                found = True
-            elif sample.name == _WAITING:
-                waiting += sample.value
-            elif sample.name == _WAITING_BY_REASON:
-                if sample.labels.get("reason") == "capacity":
-                    capacity = (capacity or 0.0) + sample.value
-            elif sample.name == _GENERATED:
-                generated = (generated or 0.0) + sample.value
-            elif sample.name in _KV_CACHE:
-                kv = max(kv, sample.value)
-            elif sample.name == _CACHE_CONFIG:
-                kv_tokens = _add(kv_tokens, _kv_tokens(sample.labels))
-                block_size = _number(sample.labels.get("block_size")) or block_size
-                if sample.labels.get("enable_prefix_caching") == "False":
-                    prefix_caching = False
+    for match in _SAMPLE.finditer("\n" + text):
+        name, labels, value = match.group(1, 2, 3)
+        if name == _RUNNING:
+            running += float(value)
+            found = True
+        elif name == _WAITING:
+            waiting += float(value)
+        elif name == _WAITING_BY_REASON:
+            if _labels(labels).get("reason") == "capacity":
+                capacity = (capacity or 0.0) + float(value)
+        elif name == _GENERATED:
+            generated = (generated or 0.0) + float(value)
+        elif name in _KV_CACHE:
+            kv = max(kv, float(value))
+        elif name == _CACHE_CONFIG:
+            info = _labels(labels)
+            kv_tokens = _add(kv_tokens, _kv_tokens(info))
+            block_size = _number(info.get("block_size")) or block_size
+            if info.get("enable_prefix_caching") == "False":
+                prefix_caching = False
     if not found:
         raise ValueError(f"no {_RUNNING} on the page: not a vLLM worker?")
     return LoadSample(
         running, waiting, kv, at, capacity, kv_tokens, block_size, prefix_caching, generated
     )
+
+
+def _labels(text: str | None) -> dict[str, str]:
+    """A sample's labels (the text between its braces), values unescaped."""
+    if not text:
+        return {}
+    return {
+        name: _ESCAPED.sub(_unescape, value) if "\\" in value else value
+        for name, value in _LABEL.findall(text)
+    }
+
+
+def _unescape(match: re.Match[str]) -> str:
+    char = match.group(1)
+    return "\n" if char == "n" else char
 
 
 def held_back(
