@@ -9,12 +9,12 @@ transport for the control plane and a :data:`app.fleet.wire.Connector` for the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import json
 import logging
 import resource
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -186,16 +186,65 @@ class _WorkerClient(httpx.AsyncClient):
 _NO_COOKIES = _NoCookies()
 
 
-@contextlib.asynccontextmanager
-async def worker_response(
+class WorkerRequest:
+    """A request to one worker, as an async context manager: ``async with ... as response``.
+
+    Entering sends the request and gives the response once its status line arrived; leaving
+    closes the response and gives its slot back, whatever happened in between. A class rather
+    than a generator-based context manager: one object per request, no async generator for the
+    event loop to track (see :func:`worker_response`).
+    """
+
+    __slots__ = ("_body", "_path", "_request_id", "_response", "_slots", "_wire", "_worker")
+
+    def __init__(
+        self,
+        wire: WireClient,
+        slots: UpstreamSlots,
+        worker: Worker,
+        path: str,
+        body: bytes | Upload,
+        request_id: str,
+    ) -> None:
+        self._wire, self._slots, self._worker = wire, slots, worker
+        self._path, self._body, self._request_id = path, body, request_id
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        slots = self._slots
+        slots.take()
+        try:
+            response = await _send(
+                self._wire, slots, self._worker, self._path, self._body, self._request_id
+            )
+        except BaseException:
+            slots.give()
+            raise
+        self._response = response
+        return response
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if self._response is not None:
+                self._response.close()
+        finally:
+            self._slots.give()
+
+
+def worker_response(
     wire: WireClient,
     slots: UpstreamSlots,
     worker: Worker,
     path: str,
     body: bytes | Upload,
     request_id: str,
-) -> AsyncIterator[Response]:
-    """Send a request to ``worker``; yield its response once the status line arrived.
+) -> WorkerRequest:
+    """Send a request to ``worker`` on entering; its response once the status line arrived.
 
     ``body`` is JSON, or an upload sent chunk by chunk as the client's bytes were kept (with
     their ``content-type``, whose boundary the form needs). The response's body is not read
@@ -206,15 +255,7 @@ async def worker_response(
     :class:`UpstreamError`; the gateway's own connection budget or descriptors spent as
     :class:`GatewaySaturated`.
     """
-    slots.take()
-    try:
-        response = await _send(wire, slots, worker, path, body, request_id)
-        try:
-            yield response
-        finally:
-            response.close()
-    finally:
-        slots.give()
+    return WorkerRequest(wire, slots, worker, path, body, request_id)
 
 
 async def _send(
@@ -350,6 +391,6 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
 
 
 __all__ = [
-    "UpstreamError", "UpstreamSlots", "connection_budget", "error_object", "make_client",
-    "make_wire", "worker_get", "worker_response",
+    "UpstreamError", "UpstreamSlots", "WorkerRequest", "connection_budget", "error_object",
+    "make_client", "make_wire", "worker_get", "worker_response",
 ]  # fmt: skip

@@ -9,7 +9,6 @@ counts, an error event in its stream, when the answer was handed over) is kept o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +17,7 @@ from app.api.errors import ClientStalled, UpstreamInvalidResponse, UpstreamTimeo
 from app.api.protocol import ParsedRequest, Upload
 from app.api.sse import fingerprint_member, usage_counts
 from app.fleet.lease import Lease
-from app.fleet.upstream import UpstreamSlots, worker_response
-from app.fleet.wire import Response as WorkerResponse
+from app.fleet.upstream import UpstreamSlots, WorkerRequest, worker_response
 from app.fleet.wire import WireClient, WireError
 from app.observe.timing import RequestTimer
 from app.relay.answer import Answer
@@ -78,8 +76,12 @@ class Attempts:
         sending = False
         stream: StreamPump | None = None
         try:
+            # The timer first wakes when the soonest of the deadlines set below could end:
+            # moved later from there (the first token's, the idle one's, the end's), it is
+            # never rescheduled, which costs a timer each.
+            wake = loop.time() + min(stall, settings.idle_timeout_s)
             async with (
-                Deadline(earliest(deadline_at, total_at)) as deadline,
+                Deadline(earliest(deadline_at, total_at), wake) as deadline,
                 self._response(lease) as upstream,
             ):
                 stream = StreamPump(
@@ -162,7 +164,7 @@ class Attempts:
         await answer.end(raw)
         told.end = timer.clock()  # handed to the socket: when the client can have it
 
-    def _response(self, lease: Lease) -> contextlib.AbstractAsyncContextManager[WorkerResponse]:
+    def _response(self, lease: Lease) -> WorkerRequest:
         """The worker's response to this request, sent now (the dispatch time is marked)."""
         lease.dispatched = self._timer.dispatch()
         return worker_response(
