@@ -227,6 +227,11 @@ class Upload:
         self.size = sum(len(chunk) for chunk in chunks)
 
 
+# Made once: json.dumps builds an encoder on every call given any option.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_COMPACT_UTF8 = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 class ParsedRequest:
     """A validated request: the client's body plus the fields the gateway uses.
 
@@ -297,11 +302,11 @@ class ParsedRequest:
         if not any(name in body for name in changes):
             # Members the client did not send go in front of its own, its bytes kept: the
             # same object to any JSON reader, without encoding the whole body again.
-            added = json.dumps(changes, separators=(",", ":")).encode()[1:-1]
+            added = _COMPACT.encode(changes).encode()[1:-1]
             start = self.raw.index(b"{") + 1
             return b"%b%b%b%b" % (self.raw[:start], added, b"," if body else b"", self.raw[start:])
         body = {**body, **changes}
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        return _COMPACT_UTF8.encode(body).encode()
 
     def _overrides(self, priority: int) -> bool:
         """Whether the tier's ``priority`` replaces the client's own ``priority`` field.
@@ -371,6 +376,11 @@ PLAIN_FIELDS: dict[str, Callable[[Any], bool]] = {
 validates to itself (no coercion): such values are taken as they are, without the model."""
 
 
+_PLAIN_CHECKS: dict[type[BaseModel], tuple[tuple[str, bool, Callable[[Any], bool]], ...]] = {}
+"""Per model, its fields' names, whether each is required and its plain-type check (made on
+first use: the models' fields do not change)."""
+
+
 def plain_values(fields: type[BaseModel], body: dict[str, Any]) -> dict[str, Any] | None:
     """The declared fields' values when every one in ``body`` is plain, else None.
 
@@ -379,12 +389,18 @@ def plain_values(fields: type[BaseModel], body: dict[str, Any]) -> dict[str, Any
     a well-typed client); anything else (a coercion such as ``"4"``, a wrong type, a missing
     required field) goes to the model, for its value or its error.
     """
+    checks = _PLAIN_CHECKS.get(fields)
+    if checks is None:
+        checks = _PLAIN_CHECKS[fields] = tuple(
+            (name, field.is_required(), PLAIN_FIELDS[name])
+            for name, field in fields.model_fields.items()
+        )
     values: dict[str, Any] = {}
-    for name, field in fields.model_fields.items():
+    for name, required, plain in checks:
         value = body.get(name)
-        if value is None and field.is_required():
+        if value is None and required:
             return None
-        if not PLAIN_FIELDS[name](value):
+        if not plain(value):
             return None
         values[name] = value
     opts = values.get("stream_options")
