@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -119,3 +121,38 @@ async def test_a_block_that_ends_in_time_is_left_alone() -> None:
         pytest.fail("the deadline's timer fired into the task after its block had ended")
     assert loop.time() - start >= 0.25
     assert task.cancelling() == 0
+
+
+async def test_an_early_wake_neither_times_out_nor_reschedules_the_moves_after_it() -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting_call_at(
+        when: float, callback: Callable[[], object], *args: Any, **kwargs: Any
+    ) -> asyncio.TimerHandle:
+        if getattr(callback, "__name__", "") == "_fire":  # the deadline's, not the sleep's
+            armed.append(when - start)
+        return call_at(when, callback, *args, **kwargs)
+
+    # The relay's shape: a far first deadline, woken early at the soonest a move could set.
+    async with Deadline(start + 10, wake=start + 0.05) as deadline:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(loop, "call_at", counting_call_at)
+            deadline.move(start + 5)  # the first token: a later deadline, no new timer
+            deadline.move(loop.time() + 0.2)  # the end: later than the wake, no new timer
+            assert armed == []
+            await asyncio.sleep(0.1)  # the wake fires, and only puts the timer back to sleep
+            assert len(armed) == 1
+            assert armed[0] > 0.19
+
+    async def moved_before_the_wake() -> None:
+        async with Deadline(loop.time() + 10, wake=loop.time() + 0.2) as deadline:
+            deadline.move(loop.time() + 0.05)  # earlier than the wake: the timer moves
+            await asyncio.sleep(1)
+
+    start = loop.time()
+    with pytest.raises(TimeoutError):
+        await moved_before_the_wake()
+    assert 0.04 <= loop.time() - start < 0.15

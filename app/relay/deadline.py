@@ -22,17 +22,19 @@ class Deadline:
 
     :meth:`move` sets a new deadline; moving it earlier than the timer reschedules the timer,
     moving it later only records it. While :attr:`renew` is set, the timer asks it for the
-    deadline when it fires, and a later one than :attr:`when` replaces it.
+    deadline when it fires, and a later one than :attr:`when` replaces it. ``wake`` (loop
+    time), if earlier than ``when``, is when the timer first wakes: a deadline that will be
+    moved to about ``wake`` from now, then later, is then never rescheduled on the way.
     """
 
     __slots__ = ("_at", "_cancelling", "_expired", "_handle", "_loop", "_task", "renew", "when")
 
-    def __init__(self, when: float) -> None:
+    def __init__(self, when: float, wake: float | None = None) -> None:
         self.when = when
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
-        self._at = when
+        self._at = when if wake is None else min(when, wake)
         self._expired = False
         self._cancelling = 0
         self.renew: Callable[[], float] | None = None
@@ -68,7 +70,7 @@ class Deadline:
             raise RuntimeError("Deadline must be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._arm(self.when)
+        self._arm(self._at)
         return self
 
     async def __aexit__(
