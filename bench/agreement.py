@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -208,11 +209,11 @@ def _grown_quantile(
     return quantile(delta, q) * 1000
 
 
-def _slo_counts(text: str) -> dict[str, float]:
+def _slo_counts(text: str, name: str = "gateway_slo_requests_total") -> dict[str, float]:
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "gateway_slo_requests_total":
+            if sample.name == name:
                 result = sample.labels["result"]
                 counts[result] = counts.get(result, 0.0) + sample.value
     return counts
@@ -366,7 +367,7 @@ def goodput(
             ttft_p50 = _grown_quantile(histograms, grown, _TTFT, 0.5)
             met = after.get("met", 0.0) - before.get("met", 0.0)
             rows.append({
-                "engine": requests.model, "rate": requests.rate,
+                "engine": requests.model, "rate": requests.rate, "judge": "gateway",
                 "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
                 "requests": run.completed, "client_good": run.good, "gateway_met": met,
                 "disagree_share": abs(run.good - met) / max(run.completed, 1),
@@ -375,25 +376,70 @@ def goodput(
     return rows
 
 
+def goodput_direct(
+    worker: str,
+    streams: int,
+    prompts: int,
+    requests: Requests,
+    client: Client = vllm_bench,
+) -> list[dict[str, Any]]:
+    """The floor of :func:`goodput`: the client straight to a simulated worker, which judges.
+
+    The same runs and targets as :func:`goodput`, without the gateway: the simulated worker
+    judges each request that sent SLO headers by its engine's own times (its first token's
+    time after the request arrived, the mean gap from first to last token) and counts them in
+    ``sim_slo_requests_total``. No server-side count can agree with the client better than the
+    engine's own, whose clock starts when the request is in and stops when the token is written.
+    """
+    rows: list[dict[str, Any]] = []
+    loose = 3_600_000.0
+    first = client(worker, streams, prompts, requests, (loose, loose))
+    ttfts, tpots = sorted(first.ttfts_ms), sorted(first.tpots_ms)
+    pairs = [
+        ("TTFT p50", ttfts[len(ttfts) // 2], loose),
+        ("TPOT p50", loose, tpots[len(tpots) // 2]),
+        ("both p90", ttfts[len(ttfts) * 9 // 10], tpots[len(tpots) * 9 // 10]),
+        ("loose", loose, loose),
+    ]
+    for name, ttft, tpot in pairs:
+        before = _slo_counts(asyncio.run(_page(worker)), "sim_slo_requests_total")
+        run = client(worker, streams, prompts, requests, (ttft, tpot))
+        after = _slo_counts(asyncio.run(_page(worker)), "sim_slo_requests_total")
+        met = after.get("met", 0.0) - before.get("met", 0.0)
+        rows.append({
+            "engine": requests.model, "rate": requests.rate, "judge": "worker",
+            "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
+            "requests": run.completed, "client_good": run.good, "gateway_met": met,
+            "disagree_share": abs(run.good - met) / max(run.completed, 1),
+            "client_ttft_p50_ms": run.ttft_p50_ms, "gateway_ttft_p50_ms": math.nan,
+        })  # fmt: skip
+    return rows
+
+
 def _ms(value: float) -> str:
     return "1 h" if value >= 3_600_000 else f"{value:.2f} ms"
+
+
+def _p50(value: float) -> str:
+    return "–" if math.isnan(value) else f"{value:.2f} ms"
 
 
 def goodput_table(rows: Sequence[dict[str, Any]]) -> str:
     """The goodput comparison as a markdown table."""
     lines = [
-        "| worker | arrivals | streams | targets | TTFT target | TPOT target | requests "
-        "| client good | gateway met | apart | TTFT p50 client / gateway |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| worker | arrivals | streams | judged by | targets | TTFT target | TPOT target "
+        "| requests | client good | met | apart | TTFT p50 client / gateway |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         arrivals = "back to back" if r["rate"] is None else f"{r['rate']:g}/s"
         lines.append(
-            f"| {r['engine']} | {arrivals} | {r['streams']} | {r['targets']}"
+            f"| {r['engine']} | {arrivals} | {r['streams']} | {r.get('judge', 'gateway')}"
+            f" | {r['targets']}"
             f" | {_ms(r['ttft_ms'])} | {_ms(r['tpot_ms'])}"
             f" | {r['requests']} | {r['client_good']} | {r['gateway_met']:.0f}"
             f" | {100 * r['disagree_share']:.1f}%"
-            f" | {r['client_ttft_p50_ms']:.2f} / {r['gateway_ttft_p50_ms']:.2f} ms |"
+            f" | {r['client_ttft_p50_ms']:.2f} / {_p50(r['gateway_ttft_p50_ms'])} |"
         )
     return "\n".join(lines)
 
@@ -445,6 +491,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="compare vllm bench serve's goodput with the gateway's SLO count instead, "
         "with this many requests per run",
     )
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="--goodput --engine sim: also send the client straight to the simulated worker, "
+        "which counts by its own times (the floor of the comparison)",
+    )
     args = parser.parse_args(argv)
     unwind_on_sigterm()
     levels = [int(level) for level in args.streams.split(",")]
@@ -463,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = vllm_bench if args.guidellm is None else guidellm(args.guidellm)
             for level in levels:
                 rows += goodput(url, level, args.goodput, requests, client)
+                if args.direct and args.engine == "sim":
+                    rows += goodput_direct(url, level, args.goodput, requests, client)
         for row in rows:
             log(json.dumps(row))
         print(goodput_table(rows))

@@ -119,7 +119,7 @@ class Seq:
     __slots__ = (
         "arrival", "blocks", "chat", "computed", "conn", "created", "epoch", "first_at",
         "generated", "include_usage", "last_at", "max_tokens", "priority", "prompt", "rid",
-        "running", "sent", "stream",
+        "running", "sent", "slo", "stream",
     )  # fmt: skip
 
     def __init__(
@@ -147,6 +147,9 @@ class Seq:
         """Bumped when preempted or aborted: a step scheduled before it no longer applies."""
         self.first_at: float | None = None
         self.last_at = 0.0
+        self.slo: tuple[float, float] | None = None
+        """TTFT and TPOT targets (s) the request sent as ``x-slo-*-ms`` headers: the engine
+        judges it by them when it ends (the worker's own count, beside a client's)."""
 
     @property
     def target(self) -> int:
@@ -174,6 +177,8 @@ class Engine:
         self.free_blocks = config.num_gpu_blocks
         self.preemptions = 0
         self.successes = 0
+        self.judged = {"met": 0, "missed": 0}
+        """Requests that sent SLO headers, by whether the engine's own times met them."""
         self.generated = 0
         self.ttft = Histogram(_TTFT_BUCKETS)
         self.itl = Histogram(_ITL_BUCKETS)
@@ -345,6 +350,8 @@ class Engine:
             self.free_blocks += seq.blocks
             seq.blocks = 0
             self.successes += 1
+            if seq.slo is not None:
+                self.judged[_met(seq)] += 1
             if conn is not None:
                 conn.finish(seq)
 
@@ -381,9 +388,41 @@ class Engine:
             f'vllm:request_success_total{{{label},finished_reason="length"}} '
             f"{float(self.successes)}\n"
         )
+        text += "# TYPE sim_slo_requests counter\n" + "".join(
+            f'sim_slo_requests_total{{result="{result}"}} {float(n)}\n'
+            for result, n in self.judged.items()
+        )
         text += self.ttft.text("vllm:time_to_first_token_seconds", label)
         text += self.itl.text("vllm:inter_token_latency_seconds", label)
         return text.encode()
+
+
+def _targets(headers: dict[str, str]) -> tuple[float, float] | None:
+    """The TTFT and TPOT targets (s) of ``x-slo-ttft-ms`` / ``x-slo-tpot-ms``; None if neither.
+
+    A missing one is no target (an hour). Raises ValueError for a value that is no number.
+    """
+    ttft, tpot = headers.get("x-slo-ttft-ms"), headers.get("x-slo-tpot-ms")
+    if ttft is None and tpot is None:
+        return None
+    return (
+        3600.0 if ttft is None else float(ttft) / 1000,
+        3600.0 if tpot is None else float(tpot) / 1000,
+    )
+
+
+def _met(seq: Seq) -> str:
+    """Whether ``seq`` met its SLO by the engine's own times.
+
+    Its first token's time after arrival, and the mean gap from its first token to its last
+    (each written to the client when made).
+    """
+    assert seq.slo is not None
+    assert seq.first_at is not None
+    ttft, tpot = seq.slo
+    gaps = seq.generated - 1
+    pace = (seq.last_at - seq.first_at) / gaps if gaps > 0 else 0.0
+    return "met" if seq.first_at - seq.arrival <= ttft and pace <= tpot else "missed"
 
 
 class _Connection(WorkerConnection):
@@ -455,11 +494,17 @@ class _Connection(WorkerConnection):
         stream = body.get("stream") is True
         options = body.get("stream_options")
         rid = ("chatcmpl-" if chat else "cmpl-") + engine.next_id()
+        try:
+            slo = _targets(self.headers)
+        except ValueError as exc:
+            self.reply(400, error_body(400, f"bad SLO header: {exc}", "BadRequestError"))
+            return
         self._seq = seq = Seq(
             self, prompt=prompt, max_tokens=n, priority=priority, chat=chat, stream=stream,
             include_usage=isinstance(options, dict) and options.get("include_usage") is True,
             rid=rid, arrival=asyncio.get_running_loop().time(),
         )  # fmt: skip
+        seq.slo = slo
         if stream and self.transport is not None:
             self.transport.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"

@@ -96,6 +96,8 @@ class WorkerConnection(asyncio.Protocol):
         self.keep_alive = True
         """Whether the connection stays open after the current request's answer."""
         self.buf = bytearray()
+        self.headers: dict[str, str] = {}
+        """The headers of the request being dispatched (names lower-cased)."""
 
     @property
     def busy(self) -> bool:
@@ -150,6 +152,7 @@ class WorkerConnection(asyncio.Protocol):
             self.keep_alive = (
                 connection == "keep-alive" if version == "HTTP/1.0" else connection != "close"
             )
+            self.headers = headers
             self.dispatch(method, target.split("?", 1)[0], body)
 
     def _body(self, headers: dict[str, str], start: int) -> tuple[bytes, int] | None:

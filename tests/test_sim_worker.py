@@ -222,3 +222,32 @@ async def test_ttft_grows_with_the_requests_queued_ahead() -> None:
     ttfts = sorted(arrivals[0] - start for _, arrivals, start in runs)
     # Each waits for the ten steps (2.5 ms each) of every request ahead of it.
     assert all(later - earlier > 0.015 for earlier, later in itertools.pairwise(ttfts))
+
+
+async def test_the_engine_judges_requests_that_send_slo_headers_by_its_own_times(
+    sim: tuple[httpx.AsyncClient, Engine],
+) -> None:
+    client, engine = sim
+    body = {"model": FAST.model, "messages": [{"role": "user", "content": "a b"}], "max_tokens": 4}
+
+    async def judged() -> dict[str, float]:
+        page = (await client.get("/metrics")).text
+        return {
+            result: float(line.rsplit(" ", 1)[1])
+            for result in ("met", "missed")
+            for line in page.splitlines()
+            if line.startswith(f'sim_slo_requests_total{{result="{result}"}}')
+        }
+
+    await client.post("/v1/chat/completions", json=body)  # no headers: not judged
+    assert await judged() == {"met": 0.0, "missed": 0.0}
+    # A step takes at least 2 ms: a 0.5 ms first token is out of reach, 10 s is not.
+    slow = {"x-slo-ttft-ms": "0.5"}
+    await client.post("/v1/chat/completions", json=body, headers=slow)
+    await client.post("/v1/chat/completions", json=body, headers={"x-slo-ttft-ms": "10000"})
+    tight_pace = {"x-slo-ttft-ms": "10000", "x-slo-tpot-ms": "0.1"}
+    await client.post("/v1/chat/completions", json=body, headers=tight_pace)
+    assert await judged() == {"met": 1.0, "missed": 2.0}
+    bad = await client.post("/v1/chat/completions", json=body, headers={"x-slo-tpot-ms": "x"})
+    assert bad.status_code == 400
+    assert engine.judged == {"met": 1, "missed": 2}
