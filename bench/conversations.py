@@ -149,7 +149,7 @@ async def converse(
 
 
 async def run_open(
-    url: str,
+    url: str | Sequence[str],
     users: Sequence[User],
     plan: Sequence[tuple[float, int, int]],
     max_tokens: int,
@@ -157,8 +157,11 @@ async def run_open(
 ) -> tuple[list[Outcome], float]:
     """Send every request of ``plan`` at its time; the outcomes and the seconds they took.
 
-    With ``sessions``, each user's requests carry its ``x-session-id``.
+    With ``sessions``, each user's requests carry its ``x-session-id``. Several URLs (gateway
+    replicas behind a load balancer without affinity) take the requests in turn, in the
+    plan's order.
     """
+    urls = [url] if isinstance(url, str) else list(url)
     for user in users:
         user.history = []
         user.done = asyncio.Event()
@@ -166,7 +169,7 @@ async def run_open(
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
         start = time.perf_counter()
 
-        async def one(offset: float, index: int, turn: int) -> Outcome:
+        async def one(offset: float, index: int, turn: int, url: str) -> Outcome:
             user = users[index]
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             assert user.done is not None
@@ -180,7 +183,9 @@ async def run_open(
                 user.done.set()
 
         # Turns of one user are created in order, so they queue on its event in order.
-        outcomes = await asyncio.gather(*(one(o, u, t) for o, u, t in plan))
+        outcomes = await asyncio.gather(
+            *(one(o, u, t, urls[i % len(urls)]) for i, (o, u, t) in enumerate(plan))
+        )
         return list(outcomes), time.perf_counter() - start
 
 

@@ -39,7 +39,7 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -273,24 +273,32 @@ async def _run_prefix_policy(
     warmup, users = everyone[: args.warmup], everyone[args.warmup :]
     plan = schedule(args.users, args.turns, rate, args.seed + 1)
     await reset_prefix_caches(workers)
-    with running_gateway(_prefix_env(workers, policy), free_port(), f"prefix-{policy}") as gw:
-        await _warm_gateway(gw, args.seed)
+    with contextlib.ExitStack() as stack:
+        # Replicas behind a load balancer without affinity: each takes every other request.
+        gws = [
+            stack.enter_context(
+                running_gateway(_prefix_env(workers, policy), free_port(), f"prefix-{policy}-{i}")
+            )
+            for i in range(args.replicas)
+        ]
+        for gw in gws:
+            await _warm_gateway(gw, args.seed)
         # Steady state: the service has seen every system prompt before (as the policy placed
         # them); a cold start is a transient every policy pays once.
         sessions = policy == "affinity"
         await run_open(
-            gw, warmup, schedule(len(warmup), 1, rate, args.seed + 2), args.max_tokens, sessions
+            gws, warmup, schedule(len(warmup), 1, rate, args.seed + 2), args.max_tokens, sessions
         )
         before = await _cache_counters(workers)
-        routed_before = await _routed(gw)
-        predicted_before = await _metric_sums(gw, _PREDICTED)
-        mapped_before = await _by_label(gw, "gateway_prompt_tokenizations_total", "result")
-        log(f"{policy}: {len(plan)} requests at {rate:.2f}/s")
-        outcomes, elapsed = await run_open(gw, users, plan, args.max_tokens, sessions)
+        routed_before = await _summed(gws, _routed)
+        predicted_before = await _summed(gws, lambda gw: _metric_sums(gw, _PREDICTED))
+        mapped_before = await _summed(gws, _tokenizations)
+        log(f"{policy}: {len(plan)} requests at {rate:.2f}/s over {len(gws)} gateway(s)")
+        outcomes, elapsed = await run_open(gws, users, plan, args.max_tokens, sessions)
         after = await _cache_counters(workers)
-        routed_after = await _routed(gw)
-        predicted = await _metric_sums(gw, _PREDICTED)
-        mapped = await _by_label(gw, "gateway_prompt_tokenizations_total", "result")
+        routed_after = await _summed(gws, _routed)
+        predicted = await _summed(gws, lambda gw: _metric_sums(gw, _PREDICTED))
+        mapped = await _summed(gws, _tokenizations)
     mapped = {k: v - mapped_before.get(k, 0.0) for k, v in mapped.items()}
     if mapped:
         log(f"{policy}: prompts mapped to tokens {mapped}")
@@ -321,6 +329,21 @@ async def _run_prefix_policy(
         "seconds": elapsed,
         "tokenizations": mapped,
     }
+
+
+async def _tokenizations(gateway: str) -> dict[str, float]:
+    return await _by_label(gateway, "gateway_prompt_tokenizations_total", "result")
+
+
+async def _summed(
+    gateways: Sequence[str], read: Callable[[str], Awaitable[dict[str, float]]]
+) -> dict[str, float]:
+    """What ``read`` gives for each gateway replica, summed key by key."""
+    total: dict[str, float] = {}
+    for gateway in gateways:
+        for key, value in (await read(gateway)).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def _prefix_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -370,6 +393,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     prefix.add_argument("--load", type=float, default=0.7, help="arrival rate / capacity")
     prefix.add_argument("--capacity", type=float, help="req/s, instead of measuring it")
+    prefix.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="gateway replicas, taking the requests in turn (a load balancer without affinity)",
+    )
     prefix.add_argument("--calibrate", type=float, default=40.0, help="seconds to measure it")
     prefix.add_argument("--concurrency", type=int, default=24, help="clients measuring it")
     skewed = parser.add_argument_group("skewed workload")
