@@ -270,6 +270,8 @@ def test_gateway_finds_workers_through_the_headless_service(overlay: str) -> Non
     events = json.loads(args[args.index("--kv-events-config") + 1])
     assert events["endpoint"] == f"tcp://*:{ports['kv-events']}"
     assert events["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
+    # ... and follows them: several replicas and processes each guess alone otherwise.
+    assert config["GATEWAY_KV_EVENTS"] == "true"
 
 
 def _gateway_settings(
