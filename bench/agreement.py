@@ -326,6 +326,42 @@ def guidellm(executable: str) -> Client:
     return run
 
 
+def _target_pairs(first: ClientRun) -> list[tuple[str, float, float]]:
+    """The targets each comparison runs, from a first run without any: name, TTFT, TPOT (ms).
+
+    Its TTFT median alone (half the requests miss it), its TPOT median alone, both p90s, and
+    both loose (an hour).
+    """
+    loose = 3_600_000.0
+    ttfts, tpots = sorted(first.ttfts_ms), sorted(first.tpots_ms)
+    return [
+        ("TTFT p50", ttfts[len(ttfts) // 2], loose),
+        ("TPOT p50", loose, tpots[len(tpots) // 2]),
+        ("both p90", ttfts[len(ttfts) * 9 // 10], tpots[len(tpots) * 9 // 10]),
+        ("loose", loose, loose),
+    ]
+
+
+def _row(
+    judge: str,
+    requests: Requests,
+    streams: int,
+    targets: tuple[str, float, float],
+    run: ClientRun,
+    met: float,
+    gateway_ttft_p50_ms: float,
+) -> dict[str, Any]:
+    """One comparison: the client's good requests beside those ``judge`` counted as met."""
+    name, ttft, tpot = targets
+    return {
+        "engine": requests.model, "rate": requests.rate, "judge": judge,
+        "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
+        "requests": run.completed, "client_good": run.good, "gateway_met": met,
+        "disagree_share": abs(run.good - met) / max(run.completed, 1),
+        "client_ttft_p50_ms": run.ttft_p50_ms, "gateway_ttft_p50_ms": gateway_ttft_p50_ms,
+    }  # fmt: skip
+
+
 def goodput(
     worker: str,
     streams: int,
@@ -351,13 +387,7 @@ def goodput(
     loose = 3_600_000.0
     with running_gateway(env, free_port(), f"goodput-{streams}") as url:
         first = client(url, streams, prompts, requests, (loose, loose))
-        ttfts, tpots = sorted(first.ttfts_ms), sorted(first.tpots_ms)
-        pairs = [
-            ("TTFT p50", ttfts[len(ttfts) // 2], loose),
-            ("TPOT p50", loose, tpots[len(tpots) // 2]),
-            ("both p90", ttfts[len(ttfts) * 9 // 10], tpots[len(tpots) * 9 // 10]),
-            ("loose", loose, loose),
-        ]
+        pairs = _target_pairs(first)
         for name, ttft, tpot in pairs:
             page = asyncio.run(_page(url))
             before, histograms = _slo_counts(page), _histograms(page)
@@ -366,13 +396,7 @@ def goodput(
             after, grown = _slo_counts(page), _histograms(page)
             ttft_p50 = _grown_quantile(histograms, grown, _TTFT, 0.5)
             met = after.get("met", 0.0) - before.get("met", 0.0)
-            rows.append({
-                "engine": requests.model, "rate": requests.rate, "judge": "gateway",
-                "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
-                "requests": run.completed, "client_good": run.good, "gateway_met": met,
-                "disagree_share": abs(run.good - met) / max(run.completed, 1),
-                "client_ttft_p50_ms": run.ttft_p50_ms, "gateway_ttft_p50_ms": ttft_p50,
-            })  # fmt: skip
+            rows.append(_row("gateway", requests, streams, (name, ttft, tpot), run, met, ttft_p50))
     return rows
 
 
@@ -394,25 +418,13 @@ def goodput_direct(
     rows: list[dict[str, Any]] = []
     loose = 3_600_000.0
     first = client(worker, streams, prompts, requests, (loose, loose))
-    ttfts, tpots = sorted(first.ttfts_ms), sorted(first.tpots_ms)
-    pairs = [
-        ("TTFT p50", ttfts[len(ttfts) // 2], loose),
-        ("TPOT p50", loose, tpots[len(tpots) // 2]),
-        ("both p90", ttfts[len(ttfts) * 9 // 10], tpots[len(tpots) * 9 // 10]),
-        ("loose", loose, loose),
-    ]
+    pairs = _target_pairs(first)
     for name, ttft, tpot in pairs:
         before = _slo_counts(asyncio.run(_page(worker)), "sim_slo_requests_total")
         run = client(worker, streams, prompts, requests, (ttft, tpot))
         after = _slo_counts(asyncio.run(_page(worker)), "sim_slo_requests_total")
         met = after.get("met", 0.0) - before.get("met", 0.0)
-        rows.append({
-            "engine": requests.model, "rate": requests.rate, "judge": "worker",
-            "streams": streams, "targets": name, "ttft_ms": ttft, "tpot_ms": tpot,
-            "requests": run.completed, "client_good": run.good, "gateway_met": met,
-            "disagree_share": abs(run.good - met) / max(run.completed, 1),
-            "client_ttft_p50_ms": run.ttft_p50_ms, "gateway_ttft_p50_ms": math.nan,
-        })  # fmt: skip
+        rows.append(_row("worker", requests, streams, (name, ttft, tpot), run, met, math.nan))
     return rows
 
 

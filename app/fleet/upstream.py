@@ -187,12 +187,17 @@ _NO_COOKIES = _NoCookies()
 
 
 class WorkerRequest:
-    """A request to one worker, as an async context manager: ``async with ... as response``.
+    """A request to ``worker``: sent on entering ``async with``, its response once its head came.
 
-    Entering sends the request and gives the response once its status line arrived; leaving
-    closes the response and gives its slot back, whatever happened in between. A class rather
-    than a generator-based context manager: one object per request, no async generator for the
-    event loop to track (see :func:`worker_response`).
+    ``body`` is JSON, or an upload sent chunk by chunk as the client's bytes were kept (with
+    their ``content-type``, whose boundary the form needs). The response's body is not read
+    (the caller streams it); the response is closed, and its slot given back, when the block
+    ends, whatever happened: its connection is kept for the next request only if the body was
+    read to its end. A worker's 4xx is raised as :class:`UpstreamClientError` carrying the
+    worker's own message; a 5xx, a broken connection or a response that is not HTTP as the
+    matching :class:`UpstreamError`; the gateway's own connection budget or descriptors spent
+    as :class:`GatewaySaturated`. A class rather than a generator-based context manager: one
+    object per request, and no async generator for the event loop to track.
     """
 
     __slots__ = ("_body", "_path", "_request_id", "_response", "_slots", "_wire", "_worker")
@@ -214,9 +219,7 @@ class WorkerRequest:
         slots = self._slots
         slots.take()
         try:
-            response = await _send(
-                self._wire, slots, self._worker, self._path, self._body, self._request_id
-            )
+            response = await self._send()
         except BaseException:
             slots.give()
             raise
@@ -235,75 +238,50 @@ class WorkerRequest:
         finally:
             self._slots.give()
 
+    async def _send(self) -> Response:
+        wire, slots, worker, body = self._wire, self._slots, self._worker, self._body
+        spec = worker.spec
+        host, port, tls, head = endpoint(spec.base_url, self._path, spec.api_key)
+        rid = self._request_id.encode("latin-1")
 
-def worker_response(
-    wire: WireClient,
-    slots: UpstreamSlots,
-    worker: Worker,
-    path: str,
-    body: bytes | Upload,
-    request_id: str,
-) -> WorkerRequest:
-    """Send a request to ``worker`` on entering; its response once the status line arrived.
+        def data() -> Iterable[bytes]:
+            if isinstance(body, Upload):
+                # With the length given, the upload is sent as it came, not chunk-encoded.
+                fields = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n\r\n" % (
+                    body.content_type.encode("latin-1"), body.size, rid,
+                )  # fmt: skip
+                return [head + fields, *body.chunks]
+            fields = (
+                b"content-type: application/json\r\ncontent-length: %d\r\nx-request-id: %s\r\n\r\n"
+            )
+            return [head + fields % (len(body), rid) + body]
 
-    ``body`` is JSON, or an upload sent chunk by chunk as the client's bytes were kept (with
-    their ``content-type``, whose boundary the form needs). The response's body is not read
-    (the caller streams it); the response is closed, and its slot given back, when the block
-    ends: its connection is kept for the next request only if the body was read to its end. A
-    worker's 4xx is raised as :class:`UpstreamClientError` carrying the worker's own message; a
-    5xx, a broken connection or a response that is not HTTP as the matching
-    :class:`UpstreamError`; the gateway's own connection budget or descriptors spent as
-    :class:`GatewaySaturated`.
-    """
-    return WorkerRequest(wire, slots, worker, path, body, request_id)
-
-
-async def _send(
-    wire: WireClient,
-    slots: UpstreamSlots,
-    worker: Worker,
-    path: str,
-    body: bytes | Upload,
-    request_id: str,
-) -> Response:
-    spec = worker.spec
-    host, port, tls, head = endpoint(spec.base_url, path, spec.api_key)
-    rid = request_id.encode("latin-1")
-
-    def data() -> Iterable[bytes]:
-        if isinstance(body, Upload):
-            # With the length given, the upload is sent as it came, not chunk-encoded.
-            fields = b"content-type: %s\r\ncontent-length: %d\r\nx-request-id: %s\r\n\r\n" % (
-                body.content_type.encode("latin-1"), body.size, rid,
-            )  # fmt: skip
-            return [head + fields, *body.chunks]
-        fields = b"content-type: application/json\r\ncontent-length: %d\r\nx-request-id: %s\r\n\r\n"
-        return [head + fields % (len(body), rid) + body]
-
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    try:
-        response = await wire.request(host, port, tls, data)
-    except ConnectTimeout as exc:
-        now = loop.time()
-        if fired_late(started, now, wire.connect_timeout_s):
-            raise slots.late(now - started) from exc
-        raise UpstreamUnavailable(f"Worker {worker.label} could not be reached in time.") from exc
-    except ConnectFailed as exc:
-        exhausted = _exhausted(exc)
-        if exhausted is not None:
-            raise slots.exhausted(exhausted) from exc
-        raise UpstreamUnavailable(f"Worker {worker.label} is not reachable.") from exc
-    except WireError as exc:
-        raise UpstreamInvalidResponse(
-            f"Worker {worker.label} closed the connection: {type(exc).__name__}."
-        ) from exc
-    if response.status < 400:
-        return response
-    try:
-        raise await _status_error(worker, response)
-    finally:
-        response.close()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            response = await wire.request(host, port, tls, data)
+        except ConnectTimeout as exc:
+            now = loop.time()
+            if fired_late(started, now, wire.connect_timeout_s):
+                raise slots.late(now - started) from exc
+            raise UpstreamUnavailable(
+                f"Worker {worker.label} could not be reached in time."
+            ) from exc
+        except ConnectFailed as exc:
+            exhausted = _exhausted(exc)
+            if exhausted is not None:
+                raise slots.exhausted(exhausted) from exc
+            raise UpstreamUnavailable(f"Worker {worker.label} is not reachable.") from exc
+        except WireError as exc:
+            raise UpstreamInvalidResponse(
+                f"Worker {worker.label} closed the connection: {type(exc).__name__}."
+            ) from exc
+        if response.status < 400:
+            return response
+        try:
+            raise await _status_error(worker, response)
+        finally:
+            response.close()
 
 
 async def worker_get(
@@ -392,5 +370,5 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
 
 __all__ = [
     "UpstreamError", "UpstreamSlots", "WorkerRequest", "connection_budget", "error_object",
-    "make_client", "make_wire", "worker_get", "worker_response",
+    "make_client", "make_wire", "worker_get",
 ]  # fmt: skip

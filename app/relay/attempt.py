@@ -17,7 +17,7 @@ from app.api.errors import ClientStalled, UpstreamInvalidResponse, UpstreamTimeo
 from app.api.protocol import ParsedRequest, Upload
 from app.api.sse import fingerprint_member, usage_counts
 from app.fleet.lease import Lease
-from app.fleet.upstream import UpstreamSlots, WorkerRequest, worker_response
+from app.fleet.upstream import UpstreamSlots, WorkerRequest
 from app.fleet.wire import WireClient, WireError
 from app.observe.timing import RequestTimer
 from app.relay.answer import Answer
@@ -167,7 +167,7 @@ class Attempts:
     def _response(self, lease: Lease) -> WorkerRequest:
         """The worker's response to this request, sent now (the dispatch time is marked)."""
         lease.dispatched = self._timer.dispatch()
-        return worker_response(
+        return WorkerRequest(
             self._wire, self._slots, lease.worker, self._request.path, self._upstream_body(),
             self._request_id,
         )  # fmt: skip
