@@ -326,13 +326,20 @@ def guidellm(executable: str) -> Client:
     return run
 
 
-def _target_pairs(first: ClientRun) -> list[tuple[str, float, float]]:
-    """The targets each comparison runs, from a first run without any: name, TTFT, TPOT (ms).
+_LOOSE_MS = 3_600_000.0
+"""A target no request misses (an hour)."""
 
-    Its TTFT median alone (half the requests miss it), its TPOT median alone, both p90s, and
-    both loose (an hour).
+
+def _target_pairs(
+    client: Client, url: str, streams: int, prompts: int, requests: Requests
+) -> list[tuple[str, float, float]]:
+    """The targets each comparison runs (name, TTFT, TPOT in ms), from a first run to ``url``.
+
+    That run's TTFT median alone (half the requests miss it), its TPOT median alone, both
+    p90s, and both loose (an hour).
     """
-    loose = 3_600_000.0
+    loose = _LOOSE_MS
+    first = client(url, streams, prompts, requests, (loose, loose))
     ttfts, tpots = sorted(first.ttfts_ms), sorted(first.tpots_ms)
     return [
         ("TTFT p50", ttfts[len(ttfts) // 2], loose),
@@ -384,11 +391,8 @@ def goodput(
         "GATEWAY_TTFT_BUCKETS": json.dumps(_FINE),
     }
     rows: list[dict[str, Any]] = []
-    loose = 3_600_000.0
     with running_gateway(env, free_port(), f"goodput-{streams}") as url:
-        first = client(url, streams, prompts, requests, (loose, loose))
-        pairs = _target_pairs(first)
-        for name, ttft, tpot in pairs:
+        for name, ttft, tpot in _target_pairs(client, url, streams, prompts, requests):
             page = asyncio.run(_page(url))
             before, histograms = _slo_counts(page), _histograms(page)
             run = client(url, streams, prompts, requests, (ttft, tpot))
@@ -416,10 +420,7 @@ def goodput_direct(
     engine's own, whose clock starts when the request is in and stops when the token is written.
     """
     rows: list[dict[str, Any]] = []
-    loose = 3_600_000.0
-    first = client(worker, streams, prompts, requests, (loose, loose))
-    pairs = _target_pairs(first)
-    for name, ttft, tpot in pairs:
+    for name, ttft, tpot in _target_pairs(client, worker, streams, prompts, requests):
         before = _slo_counts(asyncio.run(_page(worker)), "sim_slo_requests_total")
         run = client(worker, streams, prompts, requests, (ttft, tpot))
         after = _slo_counts(asyncio.run(_page(worker)), "sim_slo_requests_total")
@@ -429,7 +430,7 @@ def goodput_direct(
 
 
 def _ms(value: float) -> str:
-    return "1 h" if value >= 3_600_000 else f"{value:.2f} ms"
+    return "1 h" if value >= _LOOSE_MS else f"{value:.2f} ms"
 
 
 def _p50(value: float) -> str:
@@ -446,7 +447,7 @@ def goodput_table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         arrivals = "back to back" if r["rate"] is None else f"{r['rate']:g}/s"
         lines.append(
-            f"| {r['engine']} | {arrivals} | {r['streams']} | {r.get('judge', 'gateway')}"
+            f"| {r['engine']} | {arrivals} | {r['streams']} | {r['judge']}"
             f" | {r['targets']}"
             f" | {_ms(r['ttft_ms'])} | {_ms(r['tpot_ms'])}"
             f" | {r['requests']} | {r['client_good']} | {r['gateway_met']:.0f}"
