@@ -22,8 +22,9 @@ the whole benchmark shares two cores. Requests and events per second then stay c
 ``--memory-streams N`` (default 10,000) also opens N streams at one token a second through a
 fresh gateway (admission off: a 1 s TPOT is far over every tier's target), reads the gateway's
 RSS with and without them, and sends probe requests through the gateway and directly while they
-run. ``--profile 32,128`` records the gateway with py-spy in one extra round at each of those
-concurrencies and prints its top functions.
+run; as many as one gateway process can hold with room for the probes, where the machine's
+descriptor limit is under two a stream. ``--profile 32,128`` records the gateway with py-spy in
+one extra round at each of those concurrencies and prints its top functions.
 
 Two references relay the same rounds in front of the same workers, so that what relaying costs
 on this machine is measured beside what it costs in the gateway: the project's minimal Python
@@ -62,6 +63,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
+from app.fleet.upstream import connection_budget
 from bench.load_client import ClientPool, RoundSpec, ShardResult, merge
 from scripts.vllm_worker import free_port as free_port  # re-exported: the benches take it here
 
@@ -90,6 +92,8 @@ CPU_OF_FLOOR_RATIO: Final = 1.5
 CPU_OF_REFERENCE_RATIO: Final = 1.0
 MEMORY_RSS_MAX_MIB: Final = 1024.0
 MEMORY_PROBE_P99_MS: Final = 100.0
+MEMORY_PROBE_ROOM: Final = 16
+"""Worker connections of the gateway's budget the memory run leaves to its probes."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,17 +230,37 @@ def _die_with_parent() -> None:
 
 
 def _child_setup(nofile: int) -> Callable[[], None]:
-    """Before exec: die with the parent, and allow ``nofile`` descriptors if root may."""
+    """Before exec: die with the parent, and allow ``nofile`` descriptors (:func:`nofile_for`)."""
 
     def setup() -> None:
         _die_with_parent()
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if nofile > soft:
+        wanted = nofile_for(nofile)
+        if wanted > soft:
             # The gateway sizes its connection budget by the soft limit (connection_budget).
             with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, max(nofile, hard)))
+                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, max(wanted, hard)))
 
     return setup
+
+
+def nofile_for(wanted: int) -> int:
+    """The soft descriptor limit a child asking for ``wanted`` runs with.
+
+    At least this process's own; ``wanted`` if the hard limit allows it or this process may
+    raise it (root, where the machine lets it), else the hard limit.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if wanted <= soft:
+        return soft
+    if hard == resource.RLIM_INFINITY or wanted <= hard:
+        return wanted
+    try:  # whether this process may raise its hard limit (root with CAP_SYS_RESOURCE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, wanted))
+    except (ValueError, OSError):
+        return hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return wanted
 
 
 def http_status(url: str, timeout: float = 1.0) -> int | None:
@@ -729,6 +753,10 @@ class MemoryResult:
     """The many-streams run."""
 
     streams: int
+    asked: int
+    """The streams asked for: more than ``streams`` when the descriptors did not fit them."""
+    nofile: int
+    """The gateway's descriptor limit."""
     rss_idle_mib: float
     rss_loaded_mib: float
     running_at_sample: int
@@ -757,9 +785,30 @@ def _nofile_of(pid: int) -> int:
     return 0
 
 
+def streams_that_fit(asked: int) -> tuple[int, int]:
+    """``(streams, descriptor limit)`` of a gateway process started here for ``asked`` streams.
+
+    The streams are what it can hold at once beside the memory run's probes (two descriptors
+    a stream).
+    """
+    nofile = nofile_for(2 * asked + 1024)
+    budget = connection_budget(asked + MEMORY_PROBE_ROOM, descriptors=nofile)
+    return min(asked, budget - MEMORY_PROBE_ROOM), nofile
+
+
 def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryResult | None:
-    """``args.memory_streams`` streams at 1 token/s through a fresh gateway, with probes."""
-    n = args.memory_streams
+    """``args.memory_streams`` streams at 1 token/s through a fresh gateway, with probes.
+
+    As many of them as the gateway's descriptors hold with room for the probes: beyond that
+    they would be refused (503, the gateway's own budget spent) and so would the probes.
+    """
+    asked = args.memory_streams
+    n, nofile = streams_that_fit(asked)
+    if n < asked:
+        log(
+            f"memory: {asked:,} streams need over {2 * asked:,} descriptors in one process (two "
+            f"a stream); this machine allows {nofile:,}: {n:,} streams, with room for the probes"
+        )
     ramp_s = n / args.connect_rate
     probe_s = args.memory_probe_s
     hold_s = ramp_s + 2.0 + probe_s + 2.0
@@ -778,7 +827,7 @@ def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryRe
     with (
         Stack(
             workers=args.workers, gateway=True, logdir=args.logs / "memory", gateway_env=env,
-            log=log, max_num_seqs=max(n, 1024), nofile=2 * n + 1024,
+            log=log, max_num_seqs=max(n, 1024), nofile=2 * asked + 1024,
         ) as stack,
         contextlib.closing(ClientPool(args.clients)) as pool,
         contextlib.closing(ClientPool(1)) as probe_gw,
@@ -832,6 +881,8 @@ def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryRe
 
     return MemoryResult(
         streams=n,
+        asked=asked,
+        nofile=nofile,
         rss_idle_mib=rss_idle,
         rss_loaded_mib=rss_loaded,
         running_at_sample=running,
@@ -1068,6 +1119,15 @@ def memory_table(mem: MemoryResult) -> str:
             f"{_fmt(mem.probe_direct_ms['p50'])} / {_fmt(mem.probe_direct_ms['p99'])} ms | "
             f"{mem.gateway_cpu_percent:.0f}% | {mem.streams_ok:,}/{mem.streams_sent:,} |",
         ]
+        + (
+            [
+                "",
+                f"{mem.asked:,} streams were asked for: one process with this machine's limit of "
+                f"{mem.nofile:,} descriptors holds {mem.streams:,} beside the probes.",
+            ]
+            if mem.streams < mem.asked
+            else []
+        )
     )
 
 
@@ -1370,6 +1430,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         if mem is None
         else {
             "streams": mem.streams,
+            "streams_asked": mem.asked,
             "running": mem.running_at_sample,
             "rss_idle_mib": mem.rss_idle_mib,
             "rss_loaded_mib": mem.rss_loaded_mib,
