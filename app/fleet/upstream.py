@@ -203,7 +203,9 @@ class WorkerRequest:
     object per request, and no async generator for the event loop to track.
     """
 
-    __slots__ = ("_body", "_path", "_request_id", "_response", "_slots", "_wire", "_worker")
+    __slots__ = (
+        "_body", "_loop", "_path", "_request_id", "_response", "_slots", "_wire", "_worker",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -213,8 +215,9 @@ class WorkerRequest:
         path: str,
         body: bytes | Upload,
         request_id: str,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
-        self._wire, self._slots, self._worker = wire, slots, worker
+        self._wire, self._slots, self._worker, self._loop = wire, slots, worker, loop
         self._path, self._body, self._request_id = path, body, request_id
         self._response: Response | None = None
 
@@ -259,7 +262,7 @@ class WorkerRequest:
             )
             return [head + fields % (len(body), rid) + body]
 
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         started = loop.time()
         try:
             response = await wire.request(host, port, tls, data)

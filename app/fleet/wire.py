@@ -149,7 +149,7 @@ class Response:
             raise self._error
         if self._ended:
             return None
-        waiter: asyncio.Future[Awaitable[None] | None] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Awaitable[None] | None] = self._conn.loop.create_future()
         self._waiter = waiter
         self._sink = sink
         self._conn.resume()
@@ -166,7 +166,7 @@ class Response:
                 pass
             return b"".join(parts)
         size = 0
-        enough = asyncio.get_running_loop().create_future()
+        enough = self._conn.loop.create_future()
         enough.set_result(None)
 
         def take(piece: bytes) -> Awaitable[None] | None:
@@ -233,6 +233,9 @@ class _Connection(asyncio.Protocol):
     """One kept-alive HTTP/1.1 connection to a worker, carrying one request at a time."""
 
     def __init__(self, pool: _Pool) -> None:
+        # Made in the loop's own callback (the connector's protocol factory). Kept: on Python
+        # 3.11 each get_running_loop() is a getpid() system call, and a request asked several.
+        self.loop = asyncio.get_running_loop()
         self._pool = pool
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
@@ -289,7 +292,7 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         """The worker's socket is full: uploads wait."""
         if self._writable is None or self._writable.done():
-            self._writable = asyncio.get_running_loop().create_future()
+            self._writable = self.loop.create_future()
 
     def resume_writing(self) -> None:
         """Uploads may write again."""
@@ -340,7 +343,7 @@ class _Connection(asyncio.Protocol):
         if self.closed or self.transport is None:
             raise ConnectionClosed("the connection closed before the request was sent")
         self.response = Response(self)
-        head: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        head: asyncio.Future[Response] = self.loop.create_future()
         self._head = head
         self._head_bytes = 0
         self._received = False
@@ -434,8 +437,7 @@ class _Pool:
         return None
 
     def keep(self, conn: _Connection) -> None:
-        loop = asyncio.get_running_loop()
-        conn.idle_timer = loop.call_later(self._keepalive_s, conn.abort)
+        conn.idle_timer = conn.loop.call_later(self._keepalive_s, conn.abort)
         self.idle[conn] = None
 
     def forget(self, conn: _Connection) -> None:

@@ -45,14 +45,16 @@ class Attempts:
     """A request's attempts: each on the worker of its lease, answering through ``answer``."""
 
     __slots__ = (
-        "_body", "_feedback", "_priority", "_request", "_request_id", "_settings", "_slots",
-        "_timer", "_wire",
+        "_body", "_feedback", "_loop", "_priority", "_request", "_request_id", "_settings",
+        "_slots", "_timer", "_wire",
     )  # fmt: skip
 
     def __init__(
         self, settings: Settings, wire: WireClient, slots: UpstreamSlots, request: ParsedRequest,
         timer: RequestTimer, request_id: str, feedback: Feedback, priority: int | None,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:  # fmt: skip
+        self._loop = loop  # the request's, handed down: asking for it is a system call (3.11)
         self._settings, self._wire, self._slots = settings, wire, slots
         self._request, self._timer, self._request_id = request, timer, request_id
         self._feedback = feedback
@@ -61,8 +63,7 @@ class Attempts:
 
     async def stream(self, answer: Answer, lease: Lease, told: Told) -> None:
         """Relay the worker's event stream as it comes, every event timed."""
-        settings, timer = self._settings, self._timer
-        loop = asyncio.get_running_loop()
+        settings, timer, loop = self._settings, self._timer, self._loop
         clock = timer.clock
         # The first-token timeout runs from arrival, across attempts: a client waits at most
         # that long whatever failed over on the way.
@@ -81,12 +82,12 @@ class Attempts:
             # never rescheduled, which costs a timer each.
             wake = loop.time() + min(stall, settings.idle_timeout_s)
             async with (
-                Deadline(earliest(deadline_at, total_at), wake) as deadline,
+                Deadline(earliest(deadline_at, total_at), wake, loop) as deadline,
                 self._response(lease) as upstream,
             ):
                 stream = StreamPump(
                     answer.send, self._feedback, self._request, timer, settings.idle_timeout_s,
-                    lease, deadline, deadline_at, total_at,
+                    lease, deadline, deadline_at, total_at, loop,
                 )  # fmt: skip
                 # Each event is relayed in the worker connection's own callback.
                 while (pending := await upstream.push(stream.feed)) is not None:
@@ -169,7 +170,7 @@ class Attempts:
         lease.dispatched = self._timer.dispatch()
         return WorkerRequest(
             self._wire, self._slots, lease.worker, self._request.path, self._upstream_body(),
-            self._request_id,
+            self._request_id, self._loop,
         )  # fmt: skip
 
     def _upstream_body(self) -> bytes | Upload:

@@ -29,9 +29,11 @@ class Deadline:
 
     __slots__ = ("_at", "_cancelling", "_expired", "_handle", "_loop", "_task", "renew", "when")
 
-    def __init__(self, when: float, wake: float | None = None) -> None:
+    def __init__(
+        self, when: float, wake: float | None = None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self.when = when
-        self._loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop() if loop is None else loop
         self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._at = when if wake is None else min(when, wake)
@@ -65,7 +67,7 @@ class Deadline:
         self._task.cancel()
 
     async def __aenter__(self) -> Deadline:
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         if task is None:
             raise RuntimeError("Deadline must be used inside a task")
         self._task = task

@@ -140,9 +140,12 @@ class Relay:
             deps.pool, deps.admission, deps.metrics, deps.sizer, self._tier,
             engine=self._engine, stream=ctx.request.stream,
         )  # fmt: skip
+        # Made in the request's task. Kept: on Python 3.11 each get_running_loop() (and
+        # current_task() without a loop) is a getpid() system call; a request asked nine.
+        self._loop = asyncio.get_running_loop()
         self._attempts = Attempts(
             deps.settings, deps.wire, deps.slots, ctx.request, ctx.timer, ctx.request_id,
-            self._feedback, deps.settings.worker_priority_of(ctx.identity.tier),
+            self._feedback, deps.settings.worker_priority_of(ctx.identity.tier), self._loop,
         )  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -156,7 +159,7 @@ class Relay:
         deps = self._deps
         in_flight = deps.metrics.in_flight.labels(self._model_label, self._tier)
         in_flight.inc()
-        task = self._task = asyncio.current_task()
+        task = self._task = asyncio.current_task(self._loop)
         out = self._ctx.writer or AsgiWriter(send, receive)
         answer = Answer(out, self._timer, self._request_id, self._tier)
         unwatch = None

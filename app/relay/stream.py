@@ -79,11 +79,11 @@ class StreamPump:
     def __init__(
         self, send: Send, feedback: Feedback, request: ParsedRequest, timer: RequestTimer,
         idle_s: float, lease: Lease, deadline: Deadline, deadline_at: float,
-        total_at: float | None,
+        total_at: float | None, loop: asyncio.AbstractEventLoop,
     ) -> None:  # fmt: skip
         self._send, self._feedback, self._lease, self._worker = send, feedback, lease, lease.worker
         self._deadline, self._deadline_at, self._total_at = deadline, deadline_at, total_at
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop
         self._clock = timer.clock
         self._idle = idle_s
         self._keep_usage = request.wants_usage
