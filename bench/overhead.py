@@ -63,7 +63,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
-from app.fleet.upstream import connection_budget
+from app.fleet.upstream import descriptors_fit
 from bench.load_client import ClientPool, RoundSpec, ShardResult, merge
 from scripts.vllm_worker import free_port as free_port  # re-exported: the benches take it here
 
@@ -755,8 +755,6 @@ class MemoryResult:
     streams: int
     asked: int
     """The streams asked for: more than ``streams`` when the descriptors did not fit them."""
-    nofile: int
-    """The gateway's descriptor limit."""
     rss_idle_mib: float
     rss_loaded_mib: float
     running_at_sample: int
@@ -792,8 +790,7 @@ def streams_that_fit(asked: int) -> tuple[int, int]:
     a stream).
     """
     nofile = nofile_for(2 * asked + 1024)
-    budget = connection_budget(asked + MEMORY_PROBE_ROOM, descriptors=nofile)
-    return min(asked, budget - MEMORY_PROBE_ROOM), nofile
+    return min(asked, descriptors_fit(nofile) - MEMORY_PROBE_ROOM), nofile
 
 
 def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryResult | None:
@@ -803,11 +800,11 @@ def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryRe
     they would be refused (503, the gateway's own budget spent) and so would the probes.
     """
     asked = args.memory_streams
-    n, nofile = streams_that_fit(asked)
+    n, limit = streams_that_fit(asked)
     if n < asked:
         log(
             f"memory: {asked:,} streams need over {2 * asked:,} descriptors in one process (two "
-            f"a stream); this machine allows {nofile:,}: {n:,} streams, with room for the probes"
+            f"a stream); this machine allows {limit:,}: {n:,} streams, with room for the probes"
         )
     ramp_s = n / args.connect_rate
     probe_s = args.memory_probe_s
@@ -882,7 +879,6 @@ def memory_run(args: argparse.Namespace, log: Callable[[str], None]) -> MemoryRe
     return MemoryResult(
         streams=n,
         asked=asked,
-        nofile=nofile,
         rss_idle_mib=rss_idle,
         rss_loaded_mib=rss_loaded,
         running_at_sample=running,
@@ -1123,7 +1119,7 @@ def memory_table(mem: MemoryResult) -> str:
             [
                 "",
                 f"{mem.asked:,} streams were asked for: one process with this machine's limit of "
-                f"{mem.nofile:,} descriptors holds {mem.streams:,} beside the probes.",
+                f"{mem.nofile_soft:,} descriptors holds {mem.streams:,} beside the probes.",
             ]
             if mem.streams < mem.asked
             else []

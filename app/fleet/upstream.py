@@ -110,23 +110,29 @@ class UpstreamSlots:
         return GatewaySaturated(f"{why}; retry shortly.", 1.0)
 
 
-def connection_budget(configured: int, descriptors: int | None = None) -> int:
+def descriptors_fit(descriptors: int) -> int:
+    """The streams a process limited to ``descriptors`` holds at once (at least one).
+
+    Every stream holds two descriptors, its client's connection and its worker's, beside those
+    the gateway keeps for everything else (listening socket, probes, logs, Redis).
+    """
+    return max(1, (descriptors - _RESERVED_FDS) // 2)
+
+
+def connection_budget(configured: int) -> int:
     """The relay's budget of worker connections: ``configured``, or what descriptors allow.
 
-    Every stream holds two descriptors, its client's connection and its worker's. With fewer
-    descriptors than that, the budget is cut to what fits (and said so in the log), so that the
-    gateway runs out of its own budget, a fast 503 gateway_saturated, before it runs out of
-    descriptors in the middle of accepting or connecting. ``descriptors``: the limit to fit
-    (this process's soft limit by default; a benchmark asks for a gateway it starts).
+    With fewer descriptors than ``configured`` streams need (:func:`descriptors_fit`), the
+    budget is cut to what fits (and said so in the log), so that the gateway runs out of its own
+    budget, a fast 503 gateway_saturated, before it runs out of descriptors in the middle of
+    accepting or connecting.
     """
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if descriptors is None else descriptors
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return configured
-    fits = max(1, (soft - _RESERVED_FDS) // 2)
+    fits = descriptors_fit(soft)
     if fits >= configured:
         return configured
-    if descriptors is not None:
-        return fits
     log.warning(
         "GATEWAY_MAX_UPSTREAM_CONNECTIONS=%d needs about %d file descriptors but the limit is %d: "
         "at most %d streams at once (raise the hard limit, e.g. ulimit -Hn)",
@@ -375,6 +381,7 @@ def error_object(raw: bytes, status: int) -> dict[str, Any]:
 
 
 __all__ = [
-    "UpstreamError", "UpstreamSlots", "WorkerRequest", "connection_budget", "error_object",
+    "UpstreamError", "UpstreamSlots", "WorkerRequest", "connection_budget", "descriptors_fit",
+    "error_object",
     "make_client", "make_wire", "worker_get",
 ]  # fmt: skip
