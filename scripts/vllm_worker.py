@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -83,12 +84,54 @@ def kv_events_args(publish_port: int, replay_port: int) -> list[str]:
     return ["--enable-prefix-caching", "--kv-events-config", json.dumps(config)]
 
 
+# Ports handed out by free_port in this process: never the same one twice.
+_GIVEN: set[int] = set()
+_LOWEST_PORT = 10_000
+
+
+def ephemeral_range(text: str | None = None) -> tuple[int, int]:
+    """The kernel's ephemeral port range (``ip_local_port_range``; Linux's default if unread)."""
+    if text is None:
+        try:
+            text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        except OSError:
+            text = ""
+    try:
+        low, high = (int(part) for part in text.split())
+    except ValueError:
+        return 32768, 60999
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
+    """A TCP port nobody listens on right now, from below the kernel's ephemeral range.
+
+    A port from the ephemeral range (what binding port 0 gives) is free only until the kernel
+    hands it to someone else: to another process binding port 0 (as vLLM does for its own
+    sockets while it starts) or to an outgoing connection. Seen: a worker's KV event port
+    taken so while a second worker started, which then died on start-up. Below that range
+    only a server naming the port takes it. The same port is never handed out twice by one
+    process; with no room below the range, port 0's answer.
+    """
+    low, _ = ephemeral_range()
+    if low - _LOWEST_PORT >= 1000:
+        rng = random.Random()
+        for _ in range(100):
+            port = rng.randrange(_LOWEST_PORT, low)
+            if port in _GIVEN:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        given: int = sock.getsockname()[1]
+    _GIVEN.add(given)
+    return given
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:

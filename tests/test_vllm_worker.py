@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from scripts.vllm_worker import (
     TINY_LLAMA_HARDWARE,
     VllmWorker,
     cpu_dtype,
+    ephemeral_range,
+    free_port,
     hardware_for,
     main,
     separate_cpus,
@@ -103,3 +107,15 @@ def test_workers_get_cores_of_their_own_leaving_the_last_one(
 ) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: cpus)
     assert separate_cpus(most) == expected
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_each_once() -> None:
+    low, _ = ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < low for port in ports)
+    for port in ports[:5]:  # free: a server can bind each
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    assert ephemeral_range("1024\t65000\n") == (1024, 65000)
+    assert ephemeral_range("garbage") == (32768, 60999)
