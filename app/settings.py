@@ -258,7 +258,8 @@ class Settings(BaseSettings):
         description="Predicted TTFTs within this of the fastest count as equal: a session keeps "
         "its pinned worker, a request without one goes to the least loaded of them (prefix_aware: "
         "of those holding the most of its prompt, the one with the least prefill ahead, then the "
-        "least loaded; a prefix no worker holds, to the one holding the fewest prefixes).",
+        "least loaded; a prefix no worker holds, to the one holding the fewest prefixes, or "
+        "following KV events the one that ran the fewest requests of late).",
     )
     load_interval_s: float = Field(
         default=0.5, gt=0, description="How often each worker's /metrics is scraped."

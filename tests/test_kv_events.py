@@ -23,7 +23,7 @@ from app.fleet.tokens import PromptTokens, Tokenizer, given_tokens, tokenize_bod
 from app.fleet.wire import WireClient
 from app.settings import WorkerSpec
 from tests.fake_upstream import MODEL
-from tests.test_prefix import _chat, _fleet, _sample
+from tests.test_prefix import _chat, _fleet, _prefix, _sample
 from tests.wire_bridge import bridge
 
 BS = 4  # tokens a block in these tests
@@ -397,6 +397,27 @@ def test_a_prompt_just_routed_is_held_there_for_the_next_until_its_events_come(
     follower = _keyed(router, _chat("a question"), [*LONG, 7, 7, 7])
     assert router.choose(MODEL, 1024.0, follower).worker is first
     assert _sample(pool, "gateway_worker_predicted_prefix_hit_tokens_total", worker=first.label) > 0
+
+
+def test_under_the_events_a_prefix_nobody_holds_goes_where_fewest_requests_ran_of_late(
+    fleet_with_events: tuple[Any, Any],
+) -> None:
+    pool, router = fleet_with_events
+    a, b = pool.workers["a:1"], pool.workers["b:2"]
+    now = pool.now()  # the fleet's fake clock: 1000
+    # A ran 4 requests for the last 20 s, done a moment ago; B runs 1, sent just now. The
+    # approximate index says B took more prompts.
+    a.add_in_flight(4, now - 20.0)
+    a.add_in_flight(-4, now - 0.1)
+    b.add_in_flight(1, now - 0.1)
+    b.prefixes.add(_prefix(router.route_key(None, _chat("other", system="x " * 900))).blocks, 10**4)
+    assert a.in_flight < b.in_flight
+    assert a.recent_load(now) > b.recent_load(now)
+    request = _chat("a question")
+    assert router.choose(MODEL, 1024.0, _keyed(router, request, LONG)).worker is b
+    # Routed on the approximate index alone, the worker holding fewer prefixes takes it.
+    other = router.route_key(None, _chat("a question", system="y " * 900))
+    assert router.choose(MODEL, 1024.0, other).worker is a
 
 
 async def test_only_a_fleet_following_events_asks_for_tokens() -> None:

@@ -243,7 +243,16 @@ class Router:
                 # that happens to look fastest (as SGLang's router gives unmatched requests to
                 # its smallest tree).
                 near = [s for s in scored if s[0] <= best_ttft + slack]
-                _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
+                if key.tokens is not None:
+                    # Under the events an evicted copy loses its credit at once, so a prefix
+                    # has one holder and its traffic stays where it was placed: placed by
+                    # the count of prefixes held, 8 equally used system prompts split 5 to 3
+                    # and one worker ran 61% of the requests. The one that ran the fewest
+                    # requests of late takes it.
+                    now = self._pool.now()
+                    _, _, worker, cached = min(near, key=lambda s: (self._recent(s[2], now), s[0]))
+                else:
+                    _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
             elif prefix is not None:
                 # Of the workers nearly as fast, one holding the prefix wins (the most held):
                 # the prediction cannot tell such TTFTs apart, and the cache hit is real. Else
@@ -298,6 +307,10 @@ class Router:
             for w, load in zip(workers, loads, strict=True)
             if load - least > _BALANCE_ABS and load > _BALANCE_REL * least
         ]
+
+    def _recent(self, worker: Worker, now: float) -> float:
+        """Requests run on ``worker`` of late: this gateway's mean, plus other clients' now."""
+        return worker.recent_load(now) + worker.others(now, self._settings.load_max_age_s)
 
     def _load(self, worker: Worker, now: float) -> float:
         """Requests running on ``worker``: this gateway's, plus other clients' as scraped."""

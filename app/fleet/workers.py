@@ -42,6 +42,8 @@ _MAX_DOUBLINGS = 32
 
 # How far past the strictest TPOT target a worker's pace closes its reading window early.
 _PACE_ALARM = 1.25
+# The time over which recent_load averages a worker's requests in flight.
+_RECENT_S = 10.0
 
 
 class DecodingStream(Protocol):
@@ -124,6 +126,8 @@ class Worker:
         """The blocks its KV cache events say it holds (None: its events are not followed)."""
         self._occupancy = 0.0
         self._occupancy_at = 0.0
+        self._recent = 0.0
+        self._recent_at = -math.inf
 
     def occupancy(self, now: float) -> float:
         """Request-seconds run here up to ``now``: ``in_flight`` integrated over time.
@@ -131,6 +135,18 @@ class Worker:
         Two readings give the mean number of requests a stream shared the worker with.
         """
         return self._occupancy + self.in_flight * (now - self._occupancy_at)
+
+    def recent_load(self, now: float) -> float:
+        """``in_flight`` averaged over about the last ``_RECENT_S`` seconds (decaying).
+
+        Where a new prefix is placed decides where its traffic goes for as long as it is held;
+        a worker's share of the traffic shows in its mean load, not in its count of the moment.
+        """
+        elapsed = now - self._recent_at
+        if elapsed <= 0:
+            return self._recent
+        kept = math.exp(-elapsed / _RECENT_S)
+        return self._recent * kept + self.in_flight * (1.0 - kept)
 
     def prefill_seconds(self, tokens: float) -> float:
         """Seconds the prompts prefilling here and one of ``tokens`` more take to prefill.
@@ -219,6 +235,8 @@ class Worker:
         """Count ``delta`` requests in (or out of) ``in_flight`` at ``now``."""
         self._occupancy = self.occupancy(now)
         self._occupancy_at = now
+        self._recent = self.recent_load(now)
+        self._recent_at = now
         self.in_flight += delta
 
     def others(self, now: float, max_age: float) -> float:
