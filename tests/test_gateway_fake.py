@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import hashlib
 import json
 import logging
@@ -60,13 +59,6 @@ async def ok_gateway() -> AsyncIterator[tuple[str, FakeWorker]]:
     worker = FakeWorker(_ok)
     async with running_gateway(settings_for(WORKER), worker.transport) as url:
         yield url, worker
-
-
-async def test_what_start_up_made_is_frozen_out_of_the_collector_while_serving() -> None:
-    assert gc.get_freeze_count() == 0
-    async with running_gateway(settings_for(WORKER), FakeWorker(_ok).transport):
-        assert gc.get_freeze_count() > 10_000
-    assert gc.get_freeze_count() == 0
 
 
 async def test_stream_relays_every_event_and_hides_usage_unless_asked(
