@@ -278,26 +278,34 @@ class Exchange:
             self._conn.transport.write(head)
 
     async def run(self, app: ASGIApp) -> None:
-        """Serve the request with ``app``; a fault is logged, then answered or the link cut."""
+        """Serve the request with ``app``; a fault is logged, then answered or the link cut.
+
+        Once served, the exchange lets go of its scope: the scope holds the exchange (the app's
+        writer and body), and the pair would otherwise wait for the collector, with the scope's
+        headers, state and trace, instead of going with the last reference.
+        """
         try:
-            await app(self.scope, self.receive, self.send)
-        except asyncio.CancelledError:
-            if not self.complete:
-                self._conn.abort()  # the server stopped it: no answer can be finished
-            raise
-        except Exception as exc:
-            log.error("the ASGI app failed a request", exc_info=exc)
-            if not self.started and not self.disconnected:
-                await self._internal_error()
-            elif not self.complete:
-                self._conn.abort()
-        else:
-            if not self.started and not self.disconnected:
-                log.error("the ASGI app returned without starting a response")
-                await self._internal_error()
-            elif not self.complete and not self.disconnected:
-                log.error("the ASGI app returned without completing its response")
-                self._conn.abort()
+            try:
+                await app(self.scope, self.receive, self.send)
+            except asyncio.CancelledError:
+                if not self.complete:
+                    self._conn.abort()  # the server stopped it: no answer can be finished
+                raise
+            except Exception as exc:
+                log.error("the ASGI app failed a request", exc_info=exc)
+                if not self.started and not self.disconnected:
+                    await self._internal_error()
+                elif not self.complete:
+                    self._conn.abort()
+            else:
+                if not self.started and not self.disconnected:
+                    log.error("the ASGI app returned without starting a response")
+                    await self._internal_error()
+                elif not self.complete and not self.disconnected:
+                    log.error("the ASGI app returned without completing its response")
+                    self._conn.abort()
+        finally:
+            self.scope = {}
 
     async def _internal_error(self) -> None:
         body = json.dumps(
