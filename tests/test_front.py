@@ -456,6 +456,29 @@ async def test_a_served_exchange_is_freed_with_its_last_reference_not_by_the_col
     assert cycles == []
 
 
+async def test_a_closed_connection_is_freed_with_its_last_reference_not_by_the_collector() -> None:
+    """A client that opens a connection per request leaves no cycle per connection behind."""
+    settings = settings_for("http://fake-worker:8100")
+    async with running_gateway(settings, FakeWorker(_ok).transport) as url:
+        port = int(url.rsplit(":", 1)[1])
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /healthz HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n")
+                assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200")
+                writer.close()
+                await writer.wait_closed()
+            await asyncio.sleep(0.05)  # the server's side of the last close
+            gc.collect()
+            cycles = [o for o in gc.garbage if isinstance(o, FrontProtocol)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert cycles == []
+
+
 async def test_pipelined_requests_are_answered_in_order_by_the_running_gateway() -> None:
     settings = settings_for("http://fake-worker:8100")
     async with running_gateway(settings, FakeWorker(_ok).transport) as url:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -78,6 +79,30 @@ async def test_a_connection_is_kept_for_the_next_request_and_closed_when_idle() 
         assert await _request(client, port) == b"{}"
         assert accepted == [1, 1]
     client.close()
+
+
+async def test_a_closed_connection_is_freed_with_its_last_reference_not_by_the_collector() -> None:
+    async def answer_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(reader)
+            writer.write(OK)
+            await writer.drain()
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        client = WireClient(2.0, keepalive_s=0.05)
+        async with worker(answer_all) as (port, _):
+            for _ in range(3):
+                assert await _request(client, port) == b"{}"
+                await asyncio.sleep(0.15)  # past the keep-alive: closed by the client
+        client.close()
+        gc.collect()
+        cycles = [o for o in gc.garbage if type(o).__name__ == "_Connection"]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cycles == []
 
 
 async def test_a_kept_connection_the_worker_closed_is_replaced_once_unseen() -> None:

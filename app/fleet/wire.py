@@ -70,6 +70,9 @@ Connector = Callable[
 ]
 """Opens a connection to ``host:port`` (TLS with the context, if any) for the protocol made."""
 
+# What a closed connection's parser calls back: nothing (it has none of the callbacks).
+_CLOSED = object()
+
 
 async def tcp_connect(
     factory: ProtocolFactory, host: str, port: int, tls: ssl.SSLContext | None
@@ -272,6 +275,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """The connection ended: a response still coming fails (or ends, if read to close)."""
         self.closed = True
+        # The parser calls back into this connection, which holds it: the pair would be left
+        # to the collector. Nothing is read now.
+        self._parser = httptools.HttpResponseParser(_CLOSED)
         self._pool.forget(self)
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)

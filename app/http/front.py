@@ -82,6 +82,8 @@ HOOKS_KEY = "gateway.front"
 
 # A request body read ahead of the app beyond this pauses reading (as uvicorn does).
 _BODY_HIGH_WATER = 65536
+# What a closed connection's parser calls back: nothing (it has none of the callbacks).
+_CLOSED = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +145,9 @@ class FrontProtocol(ClientConnection):
             self._head_timer.cancel()
             self._head_timer = None
         super().connection_lost(exc)
+        # The parser calls back into this protocol, which holds it: a connection per request
+        # would leave that pair (and its transport) to the collector. Nothing is read now.
+        self.parser = httptools.HttpRequestParser(_CLOSED)
 
     def data_received(self, data: bytes) -> None:
         """Count the head's bytes before the parser sees them; parse; refuse what is bad."""
