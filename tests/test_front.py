@@ -431,7 +431,7 @@ async def test_a_head_only_answer_reaches_the_client_through_the_server() -> Non
 async def test_a_served_exchange_is_freed_with_its_last_reference_not_by_the_collector() -> None:
     """The scope holds its exchange (the writer, the body): served, the exchange lets go of it.
 
-    Else each request's exchange, scope, headers, state and trace (about ten objects) waited
+    Else each request's exchange, scope, headers, state and trace (about eleven objects) waited
     for the collector as a reference cycle.
     """
     settings = settings_for("http://fake-worker:8100")
