@@ -9,7 +9,6 @@ that must be refused with a 400 and the connection closed (no request smuggling)
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 from typing import Any
 
@@ -31,6 +30,7 @@ from app.http.front import (
 )
 from app.http.writer import WRITER_KEY, AsgiWriter
 from tests.fake_upstream import MODEL, FakeWorker
+from tests.garbage import saved_garbage
 from tests.servers import running_gateway, settings_for
 from tests.test_gateway_fake import _ok
 
@@ -439,21 +439,14 @@ async def test_a_served_exchange_is_freed_with_its_last_reference_not_by_the_col
     async with running_gateway(settings, FakeWorker(_ok).transport) as url:
         async with httpx.AsyncClient(base_url=url) as client:
             assert (await client.get("/healthz")).status_code == 200  # the connection is open
-            gc.collect()
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            try:
+            with saved_garbage() as garbage:
                 for stream in (True, False, True):
                     chat = json.loads(body) | {"stream": stream}
                     async with client.stream("POST", "/v1/chat/completions", json=chat) as r:
                         await r.aread()
                         assert r.status_code == 200
                 assert (await client.get("/healthz")).status_code == 200
-                gc.collect()
-                cycles = [o for o in gc.garbage if isinstance(o, Exchange)]
-            finally:
-                gc.set_debug(0)
-                gc.garbage.clear()
-    assert cycles == []
+    assert [o for o in garbage if isinstance(o, Exchange)] == []
 
 
 async def test_a_closed_connection_is_freed_with_its_last_reference_not_by_the_collector() -> None:
@@ -461,9 +454,7 @@ async def test_a_closed_connection_is_freed_with_its_last_reference_not_by_the_c
     settings = settings_for("http://fake-worker:8100")
     async with running_gateway(settings, FakeWorker(_ok).transport) as url:
         port = int(url.rsplit(":", 1)[1])
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+        with saved_garbage() as garbage:
             for _ in range(3):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(b"GET /healthz HTTP/1.1\r\nhost: gw\r\nconnection: close\r\n\r\n")
@@ -471,12 +462,7 @@ async def test_a_closed_connection_is_freed_with_its_last_reference_not_by_the_c
                 writer.close()
                 await writer.wait_closed()
             await asyncio.sleep(0.05)  # the server's side of the last close
-            gc.collect()
-            cycles = [o for o in gc.garbage if isinstance(o, FrontProtocol)]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-    assert cycles == []
+    assert [o for o in garbage if isinstance(o, FrontProtocol)] == []
 
 
 async def test_pipelined_requests_are_answered_in_order_by_the_running_gateway() -> None:

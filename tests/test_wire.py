@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -23,6 +22,7 @@ from app.fleet.wire import (
     ProtocolError,
     WireClient,
 )
+from tests.garbage import saved_garbage
 
 REQUEST = b"POST /v1/x HTTP/1.1\r\nhost: w\r\ncontent-length: 2\r\n\r\n{}"
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
@@ -61,15 +61,16 @@ async def _read_request(reader: asyncio.StreamReader) -> None:
     await reader.readexactly(2)
 
 
-async def test_a_connection_is_kept_for_the_next_request_and_closed_when_idle() -> None:
-    async def answer_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await _read_request(reader)
-            writer.write(OK)
-            await writer.drain()
+async def _answer_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        await _read_request(reader)
+        writer.write(OK)
+        await writer.drain()
 
+
+async def test_a_connection_is_kept_for_the_next_request_and_closed_when_idle() -> None:
     client = WireClient(2.0, keepalive_s=0.2)
-    async with worker(answer_all) as (port, accepted):
+    async with worker(_answer_all) as (port, accepted):
         assert await _request(client, port) == b"{}"
         assert await _request(client, port) == b"{}"
         assert accepted == [1]
@@ -82,27 +83,14 @@ async def test_a_connection_is_kept_for_the_next_request_and_closed_when_idle() 
 
 
 async def test_a_closed_connection_is_freed_with_its_last_reference_not_by_the_collector() -> None:
-    async def answer_all(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await _read_request(reader)
-            writer.write(OK)
-            await writer.drain()
-
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    with saved_garbage() as garbage:
         client = WireClient(2.0, keepalive_s=0.05)
-        async with worker(answer_all) as (port, _):
+        async with worker(_answer_all) as (port, _):
             for _ in range(3):
                 assert await _request(client, port) == b"{}"
                 await asyncio.sleep(0.15)  # past the keep-alive: closed by the client
         client.close()
-        gc.collect()
-        cycles = [o for o in gc.garbage if type(o).__name__ == "_Connection"]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    assert cycles == []
+    assert [o for o in garbage if type(o).__name__ == "_Connection"] == []
 
 
 async def test_a_kept_connection_the_worker_closed_is_replaced_once_unseen() -> None:
