@@ -225,7 +225,8 @@ class Router:
             worker = min(pair, key=lambda w: w.in_flight)
         else:
             prefix = key.prefix
-            crowded = self._crowded(workers) if prefix is not None else ()
+            max_age = self._settings.load_max_age_s
+            crowded = _crowded(workers, self._pool.now(), max_age) if prefix is not None else ()
             scored = []
             for w in workers:
                 cached = (
@@ -244,13 +245,12 @@ class Router:
                 # its smallest tree).
                 near = [s for s in scored if s[0] <= best_ttft + slack]
                 if key.tokens is not None:
-                    # Under the events an evicted copy loses its credit at once, so a prefix
-                    # has one holder and its traffic stays where it was placed: placed by
-                    # the count of prefixes held, 8 equally used system prompts split 5 to 3
-                    # and one worker ran 61% of the requests. The one that ran the fewest
-                    # requests of late takes it.
+                    # Under the events a prefix has one holder, and its traffic stays where
+                    # it is placed: by the load of late, not the count of prefixes held.
                     now = self._pool.now()
-                    _, _, worker, cached = min(near, key=lambda s: (self._recent(s[2], now), s[0]))
+                    _, _, worker, cached = min(
+                        near, key=lambda s: (_ran_of_late(s[2], now, max_age), s[0])
+                    )
                 else:
                     _, _, worker, cached = min(near, key=lambda s: (len(s[2].prefixes), s[0]))
             elif prefix is not None:
@@ -269,7 +269,7 @@ class Router:
                         (s for s in held if s[3] == most),
                         key=lambda s: (
                             s[2].prefill_tokens_ahead,
-                            self._load(s[2], now),
+                            _running(s[2], now, max_age),
                             s[0],
                         ),
                     )
@@ -282,7 +282,9 @@ class Router:
                 near = [s for s in scored if s[0] <= best_ttft + slack]
                 if len(near) > 1:
                     now = self._pool.now()
-                    _, _, worker, cached = min(near, key=lambda s: (self._load(s[2], now), s[0]))
+                    _, _, worker, cached = min(
+                        near, key=lambda s: (_running(s[2], now, max_age), s[0])
+                    )
             if key.session:
                 pinned = _rendezvous(key.session, workers)
                 pinned_ttft, _, _, pinned_cached = next(s for s in scored if s[2] is pinned)
@@ -296,25 +298,6 @@ class Router:
             worker = _rendezvous(key.session, workers)
         predicted, work = self.predict(worker, own_tokens)
         return Choice(worker, predicted, work)
-
-    def _crowded(self, workers: list[Worker]) -> list[Worker]:
-        """Workers running far more requests than the least loaded one (no cache credit)."""
-        now = self._pool.now()
-        loads = [self._load(w, now) for w in workers]
-        least = min(loads)
-        return [
-            w
-            for w, load in zip(workers, loads, strict=True)
-            if load - least > _BALANCE_ABS and load > _BALANCE_REL * least
-        ]
-
-    def _recent(self, worker: Worker, now: float) -> float:
-        """Requests run on ``worker`` of late: this gateway's mean, plus other clients' now."""
-        return worker.recent_load(now) + worker.others(now, self._settings.load_max_age_s)
-
-    def _load(self, worker: Worker, now: float) -> float:
-        """Requests running on ``worker``: this gateway's, plus other clients' as scraped."""
-        return worker.in_flight + worker.others(now, self._settings.load_max_age_s)
 
     def cached_tokens(
         self,
@@ -386,6 +369,27 @@ class Router:
         if self._metrics is not None:
             self._metrics.worker_prefix_queries.labels(worker.label).inc(own_tokens)
             self._metrics.worker_prefix_hits.labels(worker.label).inc(cached)
+
+
+def _crowded(workers: list[Worker], now: float, max_age: float) -> list[Worker]:
+    """Workers running far more requests than the least loaded one (no cache credit)."""
+    loads = [_running(w, now, max_age) for w in workers]
+    least = min(loads)
+    return [
+        w
+        for w, load in zip(workers, loads, strict=True)
+        if load - least > _BALANCE_ABS and load > _BALANCE_REL * least
+    ]
+
+
+def _running(worker: Worker, now: float, max_age: float) -> float:
+    """Requests running on ``worker``: this gateway's, plus other clients' as scraped."""
+    return worker.in_flight + worker.others(now, max_age)
+
+
+def _ran_of_late(worker: Worker, now: float, max_age: float) -> float:
+    """Requests run on ``worker`` of late: this gateway's mean, plus other clients' now."""
+    return worker.recent_load(now) + worker.others(now, max_age)
 
 
 def _block_size(worker: Worker) -> int | None:
