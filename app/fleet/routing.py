@@ -225,8 +225,8 @@ class Router:
             worker = min(pair, key=lambda w: w.in_flight)
         else:
             prefix = key.prefix
-            max_age = self._settings.load_max_age_s
-            crowded = _crowded(workers, self._pool.now(), max_age) if prefix is not None else ()
+            now, max_age = self._pool.now(), self._settings.load_max_age_s
+            crowded = _crowded(workers, now, max_age) if prefix is not None else ()
             scored = []
             for w in workers:
                 cached = (
@@ -247,7 +247,6 @@ class Router:
                 if key.tokens is not None:
                     # Under the events a prefix has one holder, and its traffic stays where
                     # it is placed: by the load of late, not the count of prefixes held.
-                    now = self._pool.now()
                     _, _, worker, cached = min(
                         near, key=lambda s: (_ran_of_late(s[2], now, max_age), s[0])
                     )
@@ -264,7 +263,7 @@ class Router:
                 held = [s for s in scored if s[3] and s[0] <= best_ttft + slack]
                 held = [s for s in held if s[2] not in crowded]
                 if held:
-                    most, now = max(s[3] for s in held), self._pool.now()
+                    most = max(s[3] for s in held)
                     _, _, worker, cached = min(
                         (s for s in held if s[3] == most),
                         key=lambda s: (
@@ -281,7 +280,6 @@ class Router:
                 # flooded the other, at the hard cap, in the first surge).
                 near = [s for s in scored if s[0] <= best_ttft + slack]
                 if len(near) > 1:
-                    now = self._pool.now()
                     _, _, worker, cached = min(
                         near, key=lambda s: (_running(s[2], now, max_age), s[0])
                     )
