@@ -111,7 +111,10 @@ class Response:
     Read the body with :meth:`push` (streams) or :meth:`read` (whole), once; then :meth:`close`.
     """
 
-    __slots__ = ("_conn", "_ended", "_error", "_pieces", "_sink", "_waiter", "headers", "status")
+    __slots__ = (
+        "_conn", "_ended", "_error", "_flush", "_handed", "_pieces", "_sink", "_waiter", "headers",
+        "status",
+    )  # fmt: skip
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
@@ -120,6 +123,9 @@ class Response:
         """The head's fields, names in lower case, in the order the worker sent them."""
         self._pieces: collections.deque[bytes] = collections.deque()
         self._sink: Sink | None = None
+        self._flush: Callable[[], None] | None = None
+        self._handed = False
+        """Pieces went to the sink in the connection's current callback."""
         self._waiter: asyncio.Future[Awaitable[None] | None] | None = None
         self._ended = False
         self._error: WireError | None = None
@@ -136,30 +142,40 @@ class Response:
         """Whether the whole body was received."""
         return self._ended
 
-    async def push(self, sink: Sink) -> Awaitable[None] | None:
+    async def push(
+        self, sink: Sink, flush: Callable[[], None] | None = None
+    ) -> Awaitable[None] | None:
         """Hand the body to ``sink`` as it arrives, in the connection's callback.
 
         Returns None at the body's end, or what ``sink`` returned when it could not take more
         at once: nothing more is handed on, and the worker is not read, until the caller has
         awaited that and calls again. A connection error is raised (:class:`WireError`) after
         the pieces that came before it; a fault of ``sink`` is raised as it is.
+
+        ``flush``, if given, is called once the pieces of one read of the worker's socket were
+        all handed on, in the same callback (and here, after pieces kept from before): what
+        ``sink`` was given together can leave together.
         """
-        while self._pieces:
+        pending = None
+        handed = bool(self._pieces)
+        while self._pieces and pending is None:
             pending = sink(self._pieces.popleft())
-            if pending is not None:
-                return pending
+        if handed and flush is not None:
+            flush()
+        if pending is not None:
+            return pending
         if self._error is not None:
             raise self._error
         if self._ended:
             return None
         waiter: asyncio.Future[Awaitable[None] | None] = self._conn.loop.create_future()
         self._waiter = waiter
-        self._sink = sink
+        self._sink, self._flush = sink, flush
         self._conn.resume()
         try:
             return await waiter
         finally:
-            self._sink = self._waiter = None
+            self._sink = self._waiter = self._flush = None
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body (at most ``limit`` bytes of it, if given, then what has come)."""
@@ -194,6 +210,7 @@ class Response:
         if sink is None:
             self._pieces.append(piece)
             return
+        self._handed = True
         try:
             pending = sink(piece)
         except Exception as exc:  # a fault of the sink's must not reach the parser
@@ -205,6 +222,21 @@ class Response:
             self._sink = None
             self._conn.pause()
             self._settle(pending)
+
+    def read_done(self) -> None:
+        """The connection's read was all parsed: what the sink took of it is flushed now."""
+        if not self._handed:
+            return
+        self._handed = False
+        flush = self._flush
+        if flush is None:
+            return
+        try:
+            flush()
+        except Exception as exc:  # as a fault of the sink's
+            self._sink = None
+            self._conn.pause()
+            self._settle(exc)
 
     def _settle(self, outcome: Awaitable[None] | BaseException | None) -> None:
         waiter = self._waiter
@@ -265,12 +297,15 @@ class _Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection is no good
             return
         self._received = True
+        response = self.response
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._broken(ProtocolError("the worker switched protocols"))
         except httptools.HttpParserError as exc:
             self._broken(ProtocolError(f"invalid response from the worker: {exc}"))
+        # After an error too: the pieces before it were handed on.
+        response.read_done()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The connection ended: a response still coming fails (or ends, if read to close)."""

@@ -3,12 +3,17 @@
 Rules: the head goes once, with the request's id, its tier and its time queued; events go out
 whole, as one chunk per send, and their output events are timed when their bytes are handed to
 the client's socket (the moment the client can have them, not when the worker's came in); the
-answer counts as given once the stream's end marker went out; its body ends once.
+answer counts as given once the stream's end marker went out, and its body ends with that
+marker's chunk (nothing may follow it); its body ends once.
+
+While held (:meth:`Answer.hold`, for one read of the worker's socket at a time) the chunks sent
+wait for the flush, and their outputs are timed then: what came from the worker together leaves
+in one write, each event still its own chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from app.http.writer import ResponseWriter
 from app.observe.timing import RequestTimer
@@ -24,6 +29,8 @@ class Answer:
     """One response to the client, over the front end's :class:`ResponseWriter`."""
 
     __slots__ = (
+        "_held_outputs",
+        "_holding",
         "_out",
         "_request_id",
         "_tier",
@@ -50,6 +57,8 @@ class Answer:
         client: it has the whole answer, whatever the worker's connection does after."""
         self.ended = False
         """The body's last part was sent."""
+        self._holding = False
+        self._held_outputs = 0
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Send the status and headers; the response counts as started from here."""
@@ -64,17 +73,39 @@ class Answer:
             ],
         )
 
+    def hold(self) -> Callable[[], None]:
+        """Hold what is sent from now on until the returned flush is called (or the end)."""
+        self._holding = self._out.hold()
+        return self.flush
+
+    def flush(self) -> None:
+        """Write what is held; its outputs are timed now."""
+        self._out.flush()
+        self._timed()
+
     def send(self, events: list[bytes], outputs: int, done: bool) -> Awaitable[None] | None:
         """Send whole events now, as one chunk; an awaitable that finishes it if it must wait.
 
-        ``outputs`` of them carry output; ``done``: the stream's end marker is among them. A
-        stream's head (200, SSE) goes with its first events.
+        ``outputs`` of them carry output; ``done``: the stream's end marker is among them, and
+        the body ends with them. A stream's head (200, SSE) goes with its first events.
         """
+        if self.ended:
+            return None
         if not self.started:
             self.start(200, SSE_HEADERS)
-        pending = self._out.write(events[0] if len(events) == 1 else b"".join(events))
+        data = events[0] if len(events) == 1 else b"".join(events)
+        if done:
+            self.ended = True
+            pending = self._out.end(data)
+        else:
+            pending = self._out.write(data)
         if pending is not None:
+            self._timed()  # what was held went with it
             return self._sent_later(pending, outputs, done)
+        if self._holding and not done:
+            self._held_outputs += outputs
+            return None
+        self._timed()
         self._sent(outputs, done)
         return None
 
@@ -86,10 +117,19 @@ class Answer:
 
     async def end(self, body: bytes) -> None:
         """Send the last part of the body: the response is complete after this."""
+        if self.ended:
+            return
         self.ended = True
         pending = self._out.end(body)
+        self._timed()
         if pending is not None:
             await pending
+
+    def _timed(self) -> None:
+        """What was held is on the socket: its outputs are timed now."""
+        held, self._held_outputs = self._held_outputs, 0
+        if held:
+            self._sent(held, False)
 
     def _sent(self, outputs: int, done: bool) -> None:
         """The events are on the socket: their outputs are timed now."""
@@ -98,7 +138,8 @@ class Answer:
             sent = timer.clock()
             for _ in range(outputs):
                 timer.output(sent)
-        self.answered = done
+        if done:
+            self.answered = True
 
     async def _sent_later(self, pending: Awaitable[None], outputs: int, done: bool) -> None:
         await pending
