@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from app.api.sse import EventKind, EventSplitter, classify, event_data, parse_usage
+from app.api.sse import (
+    EventKind,
+    EventSplitter,
+    classify,
+    event_data,
+    event_fingerprint,
+    event_json,
+    fingerprint_member,
+    parse_usage,
+    usage_counts,
+)
 
 ROLE = (
     b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":'
@@ -79,6 +89,44 @@ def test_usage_is_parsed_once_from_the_usage_chunk() -> None:
     assert parse_usage(USAGE) == (7, 5)
     assert parse_usage(TOKEN) is None
     assert parse_usage(b"data: not json\n\n") is None
+
+
+_USAGE_HEAD = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],'
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        USAGE,
+        _USAGE_HEAD + b'"usage":{"prompt_tokens":10,"total_tokens":16,"completion_tokens":6,'
+        b'"prompt_tokens_details":null},"system_fingerprint":"vllm-0.32.0-0a6f2450"}\n\n',
+        _USAGE_HEAD + b'"usage":{"prompt_tokens":3,"total_tokens":3,"completion_tokens":0},'
+        b'"system_fingerprint":null}\n\n',
+        # Spellings the scan does not read: decoded instead.
+        _USAGE_HEAD + b'"usage": {"completion_tokens": 2, "prompt_tokens": 4},'
+        b' "system_fingerprint": "fp 1"}\n\n',
+        _USAGE_HEAD + b'"usage":{"prompt_tokens":4,"total_tokens":6,"completion_tokens":2},'
+        b'"system_fingerprint":"f\\"p\\u00e9"}\n\n',
+        _USAGE_HEAD + b'"usage":{"prompt_tokens":4,"completion_tokens":2},'
+        b'"system_fingerprint":"f\xc3\xa9"}\n\n',
+        b'data: {"choices":[],"usage":null}\n\n',
+        b"data: not json\n\n",
+        TOKEN,
+    ],
+)
+def test_the_usage_chunk_s_scan_reads_what_decoding_it_does(event: bytes) -> None:
+    payload = event_json(event)
+    assert parse_usage(event) == usage_counts(payload)
+    assert event_fingerprint(event) == fingerprint_member(payload)
+
+
+def test_vllm_s_usage_chunk_is_read_without_decoding_it() -> None:
+    # Cut short, so that decoding it fails: what is read was read by the scan.
+    cut = _USAGE_HEAD + b'"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5},'
+    assert parse_usage(cut) == (7, 5)
+    assert event_fingerprint(cut + b'"system_fingerprint":"fp-1",') == (
+        b',"system_fingerprint":"fp-1"'
+    )
 
 
 def test_event_data_joins_multiline_data() -> None:

@@ -99,9 +99,32 @@ def event_json(event: bytes) -> Any:
         return None
 
 
+# vLLM's usage and fingerprint as it writes them (compact, its keys in this order): read by a
+# scan, which costs a tenth of decoding the chunk. Any other spelling is decoded.
+_USAGE = re.compile(
+    rb'"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,"completion_tokens":(\d+)[,}]'
+)
+_FINGERPRINT = re.compile(rb'"system_fingerprint":(?:"([^"\\]*)"|null)[,}]')
+
+
 def parse_usage(event: bytes) -> tuple[int, int] | None:
     """``(prompt_tokens, completion_tokens)`` from a usage chunk, or None if it has none."""
+    found = _USAGE.search(event)
+    if found is not None:
+        return int(found[1]), int(found[2])
     return usage_counts(event_json(event))
+
+
+def event_fingerprint(event: bytes) -> bytes:
+    """:func:`fingerprint_member` of an event's payload, found by a scan where it can be."""
+    at = event.find(b'"system_fingerprint":')
+    if at < 0:  # JSON escaping keeps the key from appearing inside any string
+        return b""
+    found = _FINGERPRINT.match(event, at)
+    if found is None:
+        return fingerprint_member(event_json(event))
+    value = found[1]
+    return b"" if value is None else b',"system_fingerprint":"' + value + b'"'
 
 
 # A chunk that ends a choice: its finish reason is a string, not null.

@@ -20,8 +20,9 @@ from app.api.sse import (
     EventSplitter,
     classify,
     classify_response,
+    event_fingerprint,
     event_json,
-    fingerprint_member,
+    parse_usage,
     usage_counts,
     with_fingerprint,
 )
@@ -157,10 +158,9 @@ class StreamPump:
                 self.last_received = received
                 seen += 1
             elif kind is EventKind.USAGE:
-                payload = event_json(event)
-                self._count(usage_counts(payload))
+                self._count(parse_usage(event))
                 if restore:
-                    learnt = fingerprint_member(payload)
+                    learnt = event_fingerprint(event)
                     worker.learn_fingerprint(learnt)
                     if held is not None:
                         out.extend(_restored(held, learnt))
