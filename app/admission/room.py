@@ -61,6 +61,11 @@ class Room:
         for t in settings.tiers:
             known = self._ttft_by_priority.get(t.priority, math.inf)
             self._ttft_by_priority[t.priority] = min(known, t.ttft_slo_s)
+        self._strictest_above: dict[int, float] = {
+            p: min((t for q, t in self._ttft_by_priority.items() if q < p), default=math.inf)
+            for p in self._ttft_by_priority
+        }
+        """Per tier priority: the strictest TTFT target of the tiers above it (inf: none)."""
 
     def idle(self, worker: Worker, now: float) -> bool:
         """Whether ``worker`` runs nothing and says it is not full: then it has room for any tier.
@@ -221,13 +226,18 @@ class Room:
         """
         if not worker.prefilling or worker.latency.prefill.observed < _MEASURED_PREFILLS:
             return False
+        seconds = worker.prefill_seconds(tokens)
+        headroom = self._settings.ttft_headroom
+        # Within the budget of the strictest tier above, the prompt is within any of them: the
+        # tiers' recent arrivals (computed once per decision, but costly) are not needed.
+        strictest = self._strictest_above.get(tier.priority, 0.0)
+        if seconds <= headroom * strictest / 2:
+            return False
         above = {p: r for p, r in self.demand.arrival_rates(now).items() if p < tier.priority}
         if not above:
             return False
         target = min(self._ttft_by_priority[p] for p in above)
-        budget = self._settings.ttft_headroom * target / 2
-        seconds = worker.prefill_seconds(tokens)
-        if seconds <= budget:
+        if seconds <= headroom * target / 2:
             return False
         return self.higher_likely(tier, workers, seconds, now)
 
