@@ -435,7 +435,9 @@ async def test_the_asgi_writer_sends_messages_with_the_start_before_the_first_pa
 
     writer = AsgiWriter(send, receive)
     writer.start(201, [(b"a", b"b")])
+    assert writer.hold() is False  # each part is sent when given
     assert writer.write(b"x") is None
+    writer.flush()
     assert writer.end(b"") is None
     assert [m["type"] for m in sent] == [
         "http.response.start", "http.response.body", "http.response.body",
