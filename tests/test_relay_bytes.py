@@ -149,14 +149,10 @@ class OneWriteWorker:
     As a worker's events reach a relay that fell behind: several in one socket read.
     """
 
-    def __init__(
-        self, events: list[bytes], dies: bool = False, holds: asyncio.Event | None = None
-    ) -> None:
+    def __init__(self, events: list[bytes], dies: bool = False) -> None:
         self.events = events
         self.dies = dies
         """Drop the connection after the events, with no last chunk."""
-        self.holds = holds
-        """Write the last chunk only once this is set."""
         self.server: asyncio.Server | None = None
 
     async def __aenter__(self) -> str:
@@ -186,11 +182,8 @@ class OneWriteWorker:
                         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                         b"transfer-encoding: chunked\r\n\r\n"
                         + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in self.events)
-                        + (b"" if self.dies or self.holds else b"0\r\n\r\n")
+                        + (b"" if self.dies else b"0\r\n\r\n")
                     )
-                    if self.holds:
-                        await self.holds.wait()
-                        writer.write(b"0\r\n\r\n")
                     if self.dies:
                         await writer.drain()
                         writer.transport.abort()
@@ -270,17 +263,3 @@ async def test_a_worker_that_drops_the_connection_after_its_end_leaves_the_answe
     assert chunks == _events(case["direct"].encode())
     assert re.search(r'gateway_requests_total\{[^}]*outcome="ok"[^}]*\} 1\.0', metrics)
     assert re.search(r"gateway_failover_seconds_count\{[^}]*\} 0\.0", metrics)
-
-
-async def test_the_answer_ends_with_its_end_marker_not_with_the_worker_s_last_chunk() -> None:
-    """A worker that says [DONE] and then nothing: the client has its whole answer at once."""
-    case = CASES["chat_length_usage"]
-    last_chunk = asyncio.Event()
-    async with OneWriteWorker(_as_direct(case), holds=last_chunk) as worker_url:
-        settings = settings_for(worker_url, idle_timeout_s=60.0)
-        async with running_gateway(settings) as url:
-            try:
-                chunks = await _http_chunks(url, case["request"].encode())
-            finally:
-                last_chunk.set()  # the worker ends its body only now
-    assert chunks == _events(case["direct"].encode())

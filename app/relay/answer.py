@@ -3,8 +3,8 @@
 Rules: the head goes once, with the request's id, its tier and its time queued; events go out
 whole, as one chunk per send, and their output events are timed when their bytes are handed to
 the client's socket (the moment the client can have them, not when the worker's came in); the
-answer counts as given once the stream's end marker went out, and its body ends with that
-marker's chunk (nothing may follow it); its body ends once.
+answer counts as given once the stream's end marker went out; its body ends once, when the
+worker's has (the request is recorded before the client can see its end).
 
 While held (:meth:`Answer.hold`, for one read of the worker's socket at a time) the chunks sent
 wait for the flush, and their outputs are timed then: what came from the worker together leaves
@@ -86,26 +86,20 @@ class Answer:
     def send(self, events: list[bytes], outputs: int, done: bool) -> Awaitable[None] | None:
         """Send whole events now, as one chunk; an awaitable that finishes it if it must wait.
 
-        ``outputs`` of them carry output; ``done``: the stream's end marker is among them, and
-        the body ends with them. A stream's head (200, SSE) goes with its first events.
+        ``outputs`` of them carry output; ``done``: the stream's end marker is among them. A
+        stream's head (200, SSE) goes with its first events.
         """
-        if self.ended:
-            return None
         if not self.started:
             self.start(200, SSE_HEADERS)
-        data = events[0] if len(events) == 1 else b"".join(events)
-        if done:
-            self.ended = True
-            pending = self._out.end(data)
-        else:
-            pending = self._out.write(data)
+        pending = self._out.write(events[0] if len(events) == 1 else b"".join(events))
         if pending is not None:
             self._timed()  # what was held went with it
             return self._sent_later(pending, outputs, done)
-        if self._holding and not done:
+        if self._holding:
+            # Flushed before the relay's task reads ``answered``: in this same callback.
             self._held_outputs += outputs
+            self.answered = self.answered or done
             return None
-        self._timed()
         self._sent(outputs, done)
         return None
 
@@ -117,8 +111,6 @@ class Answer:
 
     async def end(self, body: bytes) -> None:
         """Send the last part of the body: the response is complete after this."""
-        if self.ended:
-            return
         self.ended = True
         pending = self._out.end(body)
         self._timed()
