@@ -4,7 +4,8 @@ Rules: the head goes once, with the request's id, its tier and its time queued; 
 whole, as one chunk per send, and their output events are timed when their bytes are handed to
 the client's socket (the moment the client can have them, not when the worker's came in); the
 answer counts as given once the stream's end marker went out; its body ends once, when the
-worker's has (the request is recorded before the client can see its end).
+worker's has, in the turn of the loop that records the request (a client that then reads the
+metrics finds it counted).
 
 While held (:meth:`Answer.hold`, for one read of the worker's socket at a time) the chunks sent
 wait for the flush, and their outputs are timed then: what came from the worker together leaves
