@@ -112,8 +112,7 @@ class Response:
     """
 
     __slots__ = (
-        "_conn", "_ended", "_error", "_flush", "_handed", "_pieces", "_sink", "_waiter", "headers",
-        "status",
+        "_conn", "_ended", "_error", "_pieces", "_sink", "_waiter", "flush", "headers", "status",
     )  # fmt: skip
 
     def __init__(self, conn: _Connection) -> None:
@@ -123,9 +122,8 @@ class Response:
         """The head's fields, names in lower case, in the order the worker sent them."""
         self._pieces: collections.deque[bytes] = collections.deque()
         self._sink: Sink | None = None
-        self._flush: Callable[[], None] | None = None
-        self._handed = False
-        """Pieces went to the sink in the connection's current callback."""
+        self.flush: Callable[[], None] | None = None
+        """What :meth:`push` was given to call after each read (the connection calls it)."""
         self._waiter: asyncio.Future[Awaitable[None] | None] | None = None
         self._ended = False
         self._error: WireError | None = None
@@ -170,12 +168,12 @@ class Response:
             return None
         waiter: asyncio.Future[Awaitable[None] | None] = self._conn.loop.create_future()
         self._waiter = waiter
-        self._sink, self._flush = sink, flush
+        self._sink, self.flush = sink, flush
         self._conn.resume()
         try:
             return await waiter
         finally:
-            self._sink = self._waiter = self._flush = None
+            self._sink = self._waiter = self.flush = None
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body (at most ``limit`` bytes of it, if given, then what has come)."""
@@ -210,7 +208,6 @@ class Response:
         if sink is None:
             self._pieces.append(piece)
             return
-        self._handed = True
         try:
             pending = sink(piece)
         except Exception as exc:  # a fault of the sink's must not reach the parser
@@ -223,20 +220,11 @@ class Response:
             self._conn.pause()
             self._settle(pending)
 
-    def read_done(self) -> None:
-        """The connection's read was all parsed: what the sink took of it is flushed now."""
-        if not self._handed:
-            return
-        self._handed = False
-        flush = self._flush
-        if flush is None:
-            return
-        try:
-            flush()
-        except Exception as exc:  # as a fault of the sink's
-            self._sink = None
-            self._conn.pause()
-            self._settle(exc)
+    def fault(self, exc: Exception) -> None:
+        """The flush failed: as a fault of the sink's, raised by :meth:`push`."""
+        self._sink = self.flush = None
+        self._conn.pause()
+        self._settle(exc)
 
     def _settle(self, outcome: Awaitable[None] | BaseException | None) -> None:
         waiter = self._waiter
@@ -304,8 +292,14 @@ class _Connection(asyncio.Protocol):
             self._broken(ProtocolError("the worker switched protocols"))
         except httptools.HttpParserError as exc:
             self._broken(ProtocolError(f"invalid response from the worker: {exc}"))
-        # After an error too: the pieces before it were handed on.
-        response.read_done()
+        # After an error too: the pieces before it were handed on. Called after every read
+        # while a sink takes the body (nothing held costs the flush a check).
+        flush = response.flush
+        if flush is not None:
+            try:
+                flush()
+            except Exception as exc:
+                response.fault(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The connection ended: a response still coming fails (or ends, if read to close)."""

@@ -8,8 +8,8 @@ worker's has, in the turn of the loop that records the request (a client that th
 metrics finds it counted).
 
 While held (:meth:`Answer.hold`, for one read of the worker's socket at a time) the chunks sent
-wait for the flush, and their outputs are timed then: what came from the worker together leaves
-in one write, each event still its own chunk.
+are written together at the flush, in the same callback: what came from the worker together
+leaves in one write, each event still its own chunk, and its outputs are timed as handed over.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ class Answer:
     """One response to the client, over the front end's :class:`ResponseWriter`."""
 
     __slots__ = (
-        "_held_outputs",
-        "_holding",
         "_out",
         "_request_id",
         "_tier",
@@ -58,8 +56,6 @@ class Answer:
         client: it has the whole answer, whatever the worker's connection does after."""
         self.ended = False
         """The body's last part was sent."""
-        self._holding = False
-        self._held_outputs = 0
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Send the status and headers; the response counts as started from here."""
@@ -74,15 +70,13 @@ class Answer:
             ],
         )
 
-    def hold(self) -> Callable[[], None]:
-        """Hold what is sent from now on until the returned flush is called (or the end)."""
-        self._holding = self._out.hold()
-        return self.flush
+    def hold(self) -> Callable[[], None] | None:
+        """Hold what is sent from now on until the returned flush is called (or the end).
 
-    def flush(self) -> None:
-        """Write what is held; its outputs are timed now."""
-        self._out.flush()
-        self._timed()
+        None: the writer holds nothing, each chunk is written as it is sent.
+        """
+        out = self._out
+        return out.flush if out.hold() else None
 
     def send(self, events: list[bytes], outputs: int, done: bool) -> Awaitable[None] | None:
         """Send whole events now, as one chunk; an awaitable that finishes it if it must wait.
@@ -94,13 +88,7 @@ class Answer:
             self.start(200, SSE_HEADERS)
         pending = self._out.write(events[0] if len(events) == 1 else b"".join(events))
         if pending is not None:
-            self._timed()  # what was held went with it
             return self._sent_later(pending, outputs, done)
-        if self._holding:
-            # Flushed before the relay's task reads ``answered``: in this same callback.
-            self._held_outputs += outputs
-            self.answered = self.answered or done
-            return None
         self._sent(outputs, done)
         return None
 
@@ -114,15 +102,8 @@ class Answer:
         """Send the last part of the body: the response is complete after this."""
         self.ended = True
         pending = self._out.end(body)
-        self._timed()
         if pending is not None:
             await pending
-
-    def _timed(self) -> None:
-        """What was held is on the socket: its outputs are timed now."""
-        held, self._held_outputs = self._held_outputs, 0
-        if held:
-            self._sent(held, False)
 
     def _sent(self, outputs: int, done: bool) -> None:
         """The events are on the socket: their outputs are timed now."""
@@ -131,8 +112,7 @@ class Answer:
             sent = timer.clock()
             for _ in range(outputs):
                 timer.output(sent)
-        if done:
-            self.answered = True
+        self.answered = done
 
     async def _sent_later(self, pending: Awaitable[None], outputs: int, done: bool) -> None:
         await pending
