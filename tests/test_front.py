@@ -167,50 +167,6 @@ async def test_a_stream_s_head_goes_out_with_its_first_chunk_and_each_write_is_a
     ]
 
 
-async def test_parts_held_leave_in_one_write_each_its_own_chunk() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        writer = scope[WRITER_KEY]
-        writer.start(200, [])
-        assert writer.hold() is True
-        assert writer.write(b"a") is None
-        assert writer.write(b"bc") is None
-        assert transport.writes == []  # held until the flush
-        writer.flush()
-        writer.flush()  # nothing held: nothing written
-        assert len(transport.writes) == 1
-        assert writer.write(b"d") is None
-        assert writer.end(b"e") is None  # the end takes what is held with it
-
-    protocol, transport = connect(app)
-    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await settle()
-    assert transport.writes == [
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n2\r\nbc\r\n",
-        b"1\r\nd\r\n1\r\ne\r\n0\r\n\r\n",
-    ]
-
-
-async def test_parts_held_go_first_when_the_client_does_not_read() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        writer = scope[WRITER_KEY]
-        writer.start(200, [])
-        writer.hold()
-        assert writer.write(b"a") is None
-        protocol.pause_writing()
-        pending = writer.write(b"b")  # waits, and so does what was held before it
-        assert pending is not None
-        assert transport.writes == []
-        protocol.resume_writing()
-        await pending
-        assert writer.end(b"") is None
-
-    protocol, transport = connect(app)
-    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await settle()
-    assert transport.writes[1:] == [b"0\r\n\r\n"]
-    assert transport.writes[0].endswith(b"\r\n\r\n1\r\na\r\n1\r\nb\r\n")
-
-
 async def test_a_write_waits_while_the_client_does_not_read() -> None:
     written: list[object] = []
 
@@ -435,9 +391,7 @@ async def test_the_asgi_writer_sends_messages_with_the_start_before_the_first_pa
 
     writer = AsgiWriter(send, receive)
     writer.start(201, [(b"a", b"b")])
-    assert writer.hold() is False  # each part is sent when given
     assert writer.write(b"x") is None
-    writer.flush()
     assert writer.end(b"") is None
     assert [m["type"] for m in sent] == [
         "http.response.start", "http.response.body", "http.response.body",

@@ -263,36 +263,3 @@ def test_the_client_runs_on_uvloop_as_in_production() -> None:
         client.close()
 
     uvloop.run(scenario())
-
-
-async def test_the_pieces_of_one_read_are_flushed_together_after_them() -> None:
-    """``push``'s flush follows the last piece each read of the worker's socket brought."""
-    go = asyncio.Event()
-
-    async def in_two_writes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
-        await go.wait()
-        writer.write(b"2\r\nbc\r\n1\r\nd\r\n")  # two chunks in one write
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(b"1\r\ne\r\n0\r\n\r\n")
-        await writer.drain()
-
-    seen: list[bytes] = []
-
-    def sink(piece: bytes) -> None:
-        seen.append(piece)
-
-    client = WireClient(2.0)
-    async with worker(in_two_writes) as (port, _):
-        response = await client.request("127.0.0.1", port, False, lambda: [REQUEST])
-        go.set()
-        try:
-            assert await response.push(sink, lambda: seen.append(b"|")) is None
-        finally:
-            response.close()
-    client.close()
-    # The piece that came with the head is flushed by push itself; a read's pieces may come
-    # as one (the parser's) or several, but the flush follows each read's last.
-    assert b"".join(seen) == b"a|bcd|e|"

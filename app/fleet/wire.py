@@ -111,9 +111,7 @@ class Response:
     Read the body with :meth:`push` (streams) or :meth:`read` (whole), once; then :meth:`close`.
     """
 
-    __slots__ = (
-        "_conn", "_ended", "_error", "_pieces", "_sink", "_waiter", "flush", "headers", "status",
-    )  # fmt: skip
+    __slots__ = ("_conn", "_ended", "_error", "_pieces", "_sink", "_waiter", "headers", "status")
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
@@ -122,8 +120,6 @@ class Response:
         """The head's fields, names in lower case, in the order the worker sent them."""
         self._pieces: collections.deque[bytes] = collections.deque()
         self._sink: Sink | None = None
-        self.flush: Callable[[], None] | None = None
-        """What :meth:`push` was given to call after each read (the connection calls it)."""
         self._waiter: asyncio.Future[Awaitable[None] | None] | None = None
         self._ended = False
         self._error: WireError | None = None
@@ -140,40 +136,30 @@ class Response:
         """Whether the whole body was received."""
         return self._ended
 
-    async def push(
-        self, sink: Sink, flush: Callable[[], None] | None = None
-    ) -> Awaitable[None] | None:
+    async def push(self, sink: Sink) -> Awaitable[None] | None:
         """Hand the body to ``sink`` as it arrives, in the connection's callback.
 
         Returns None at the body's end, or what ``sink`` returned when it could not take more
         at once: nothing more is handed on, and the worker is not read, until the caller has
         awaited that and calls again. A connection error is raised (:class:`WireError`) after
         the pieces that came before it; a fault of ``sink`` is raised as it is.
-
-        ``flush``, if given, is called once the pieces of one read of the worker's socket were
-        all handed on, in the same callback (and here, after pieces kept from before): what
-        ``sink`` was given together can leave together.
         """
-        pending = None
-        handed = bool(self._pieces)
-        while self._pieces and pending is None:
+        while self._pieces:
             pending = sink(self._pieces.popleft())
-        if handed and flush is not None:
-            flush()
-        if pending is not None:
-            return pending
+            if pending is not None:
+                return pending
         if self._error is not None:
             raise self._error
         if self._ended:
             return None
         waiter: asyncio.Future[Awaitable[None] | None] = self._conn.loop.create_future()
         self._waiter = waiter
-        self._sink, self.flush = sink, flush
+        self._sink = sink
         self._conn.resume()
         try:
             return await waiter
         finally:
-            self._sink = self._waiter = self.flush = None
+            self._sink = self._waiter = None
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body (at most ``limit`` bytes of it, if given, then what has come)."""
@@ -219,12 +205,6 @@ class Response:
             self._sink = None
             self._conn.pause()
             self._settle(pending)
-
-    def fault(self, exc: Exception) -> None:
-        """The flush failed: as a fault of the sink's, raised by :meth:`push`."""
-        self._sink = self.flush = None
-        self._conn.pause()
-        self._settle(exc)
 
     def _settle(self, outcome: Awaitable[None] | BaseException | None) -> None:
         waiter = self._waiter
@@ -285,21 +265,12 @@ class _Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection is no good
             return
         self._received = True
-        response = self.response
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._broken(ProtocolError("the worker switched protocols"))
         except httptools.HttpParserError as exc:
             self._broken(ProtocolError(f"invalid response from the worker: {exc}"))
-        # After an error too: the pieces before it were handed on. Called after every read
-        # while a sink takes the body (nothing held costs the flush a check).
-        flush = response.flush
-        if flush is not None:
-            try:
-                flush()
-            except Exception as exc:
-                response.fault(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The connection ended: a response still coming fails (or ends, if read to close)."""

@@ -80,8 +80,8 @@ class Exchange:
     """
 
     __slots__ = (
-        "_chunked", "_conn", "_continue", "_event", "_gone", "_head", "_held", "_left", "_no_body",
-        "_taken", "body",
+        "_chunked", "_conn", "_continue", "_event", "_gone", "_head", "_left", "_no_body", "_taken",
+        "body",
         "complete", "disconnected", "keep_alive", "more_body", "scope", "started",
     )  # fmt: skip
 
@@ -105,8 +105,6 @@ class Exchange:
         self._left = 0
         self._no_body = scope["method"] == "HEAD"
         self._gone: Callable[[], None] | None = None
-        self._held: list[bytes] | None = None
-        """Body parts kept for :meth:`flush` (None: each is written at once)."""
 
     # The request side.
 
@@ -252,42 +250,12 @@ class Exchange:
             if last:
                 conn.answered(self)
             return None
-        held = self._held
-        if held is not None:
-            if not last and not conn.write_paused:
-                held.append(data)
-                return None
-            if held:  # written before this, in the same write
-                held.append(data)
-                data = b"".join(held)
-                held.clear()
         if conn.write_paused:
             return self._later(data, last)
         conn.transport.write(data)
         if last:
             conn.answered(self)
         return None
-
-    def hold(self) -> bool:
-        """Keep the body parts written from now on until :meth:`flush` or :meth:`end`.
-
-        Each part stays its own chunk; what is held is written in one write, so parts that
-        came together cost the socket one system call. The caller flushes before it waits.
-        """
-        if self._held is None:
-            self._held = []
-        return True
-
-    def flush(self) -> None:
-        """Write the body parts held, together (see :meth:`hold`)."""
-        held = self._held
-        if not held:
-            return
-        data = b"".join(held) if len(held) > 1 else held[0]
-        held.clear()
-        conn = self._conn
-        if not self.disconnected and not conn.closing():
-            conn.transport.write(data)
 
     async def _later(self, data: bytes, last: bool) -> None:
         conn = self._conn

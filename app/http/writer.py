@@ -37,17 +37,6 @@ class ResponseWriter(Protocol):
     def end(self, data: bytes) -> Awaitable[None] | None:
         """Write the body's last part: the response is complete."""
 
-    def hold(self) -> bool:
-        """Keep the body parts written from now on until :meth:`flush` (or :meth:`end`).
-
-        Each part stays its own chunk; those held leave in one write. A caller that holds
-        flushes before it waits for anything. False: this writer holds nothing (each part is
-        written when given).
-        """
-
-    def flush(self) -> None:
-        """Write the parts held now."""
-
     def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
         """Call ``gone`` when the client disconnects before the response is complete.
 
@@ -83,13 +72,6 @@ class AsgiWriter:
             task.cancel()
 
         return stop
-
-    def hold(self) -> bool:
-        """Nothing is held: each part is its own message, sent at once."""
-        return False
-
-    def flush(self) -> None:
-        """Nothing is held."""
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Keep the start message for the first body part."""

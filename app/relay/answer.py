@@ -3,18 +3,12 @@
 Rules: the head goes once, with the request's id, its tier and its time queued; events go out
 whole, as one chunk per send, and their output events are timed when their bytes are handed to
 the client's socket (the moment the client can have them, not when the worker's came in); the
-answer counts as given once the stream's end marker went out; its body ends once, when the
-worker's has, in the turn of the loop that records the request (a client that then reads the
-metrics finds it counted).
-
-While held (:meth:`Answer.hold`, for one read of the worker's socket at a time) the chunks sent
-are written together at the flush, in the same callback: what came from the worker together
-leaves in one write, each event still its own chunk, and its outputs are timed as handed over.
+answer counts as given once the stream's end marker went out; its body ends once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from app.http.writer import ResponseWriter
 from app.observe.timing import RequestTimer
@@ -69,14 +63,6 @@ class Answer:
                 (b"x-gateway-queue-ms", b"%.1f" % (self.queued_s * 1000)),
             ],
         )
-
-    def hold(self) -> Callable[[], None] | None:
-        """Hold what is sent from now on until the returned flush is called (or the end).
-
-        None: the writer holds nothing, each chunk is written as it is sent.
-        """
-        out = self._out
-        return out.flush if out.hold() else None
 
     def send(self, events: list[bytes], outputs: int, done: bool) -> Awaitable[None] | None:
         """Send whole events now, as one chunk; an awaitable that finishes it if it must wait.

@@ -89,10 +89,8 @@ class Attempts:
                     answer.send, self._feedback, self._request, timer, settings.idle_timeout_s,
                     lease, deadline, deadline_at, total_at, loop,
                 )  # fmt: skip
-                # Each event is relayed in the worker connection's own callback; what one read
-                # of the worker's socket brought leaves in one write (each event its own chunk).
-                flush = answer.hold()
-                while (pending := await upstream.push(stream.feed, flush)) is not None:
+                # Each event is relayed in the worker connection's own callback.
+                while (pending := await upstream.push(stream.feed)) is not None:
                     # A send waits while the client does not read (the server's write buffer
                     # is full): the stall timeout's time, never the worker's.
                     sending = True
