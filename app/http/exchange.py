@@ -147,9 +147,11 @@ class Exchange:
         """Set the status and headers; they are written with the body's first bytes."""
         if self.started:
             raise RuntimeError("the response was started already")
+        # Composed first: a head refused (a field that would break it) leaves the response
+        # unstarted, and the fault is answered with a 500.
+        self._head = self._compose(status, headers)
         self.started = True
         self._continue = False  # answered before the body was asked for: no 100 now
-        self._head = self._compose(status, headers)
 
     def write(self, data: bytes) -> Awaitable[None] | None:
         """Write ``data`` as one chunk of the body (:class:`~app.http.writer.ResponseWriter`)."""
@@ -206,9 +208,14 @@ class Exchange:
         """The head's bytes; notes how the body is delimited and whether the connection stays."""
         parts = [STATUS_LINES.get(status) or status_line(status)]
         close = False
+        # One scan of all names and one of all values: the joints ("-" in a name, a tab in a
+        # value) are allowed there, so a joined scan finds exactly what a field's own would.
+        if _BAD_NAME.search(b"-".join([name for name, _ in headers])) or _BAD_VALUE.search(
+            b"\t".join([value for _, value in headers])
+        ):
+            bad = next(n for n, v in headers if _BAD_NAME.search(n) or _BAD_VALUE.search(v))
+            raise RuntimeError(f"invalid response header {bad!r}")
         for name, value in headers:
-            if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
-                raise RuntimeError(f"invalid response header {name!r}")
             name = name.lower()
             if name == b"content-length" and self._chunked is None:
                 self._chunked = False
