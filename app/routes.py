@@ -233,6 +233,10 @@ def _session(
     return None
 
 
+# The names handlers look up (the code's own and the settings'), as ASGI spells them.
+_FIELD_NAMES: dict[str, bytes] = {}
+
+
 def _header_reader(scope: Scope) -> Callable[[str], str | None]:
     """Reads the request's headers by name, the first of a repeated one, as Starlette's do.
 
@@ -244,7 +248,10 @@ def _header_reader(scope: Scope) -> Callable[[str], str | None]:
         fields.setdefault(name, value)  # ASGI gives the names in lower case
 
     def get(name: str) -> str | None:
-        value = fields.get(name.lower().encode("latin-1"))
+        key = _FIELD_NAMES.get(name)
+        if key is None:
+            key = _FIELD_NAMES[name] = name.lower().encode("latin-1")
+        value = fields.get(key)
         return None if value is None else value.decode("latin-1")
 
     return get

@@ -47,7 +47,10 @@ def get_state(request: Request) -> GatewayState:
     Called by the handlers themselves: as a FastAPI dependency, a plain ``def`` runs in
     FastAPI's thread pool, a hand-off to another thread and back on every request.
     """
-    state = getattr(request.state, STATE_KEY, None)
+    # The lifespan's state as ASGI hands it to each request (its ``state`` scope key): read
+    # there, not through Starlette's ``request.state``, which wraps it in an object per request.
+    lifespan = request.scope.get("state")
+    state = lifespan.get(STATE_KEY) if isinstance(lifespan, dict) else None
     if not isinstance(state, GatewayState):
         raise RuntimeError("the gateway's lifespan has not run")
     return state

@@ -19,6 +19,7 @@ own bytes, changed only as :meth:`ParsedRequest.upstream_body` says.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -232,6 +233,17 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _COMPACT_UTF8 = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
+@functools.lru_cache(maxsize=64)  # one entry per tier's priority, twice at most
+def _added_members(usage: bool, priority: int | None) -> bytes:
+    """The members :meth:`ParsedRequest.upstream_body` puts in front of a body lacking them."""
+    changes: dict[str, Any] = {}
+    if usage:
+        changes["stream_options"] = {"include_usage": True}
+    if priority is not None:
+        changes["priority"] = priority
+    return _COMPACT.encode(changes).encode()[1:-1]
+
+
 class ParsedRequest:
     """A validated request: the client's body plus the fields the gateway uses.
 
@@ -288,25 +300,29 @@ class ParsedRequest:
         a client's own ``priority`` may put its request later, never earlier, as its
         ``x-gateway-tier`` may only lower its tier. An upload (:attr:`upload`) goes as it came.
         """
+        usage = self.stream and not self.wants_usage
+        if priority is not None and not (self.endpoint.prioritised and self._overrides(priority)):
+            priority = None
+        if not usage and priority is None:
+            return self.raw
+        body = self.body
+        if not (usage and "stream_options" in body) and not (
+            priority is not None and "priority" in body
+        ):
+            # Members the client did not send go in front of its own, its bytes kept: the
+            # same object to any JSON reader, without encoding the whole body again.
+            start = self.raw.index(b"{") + 1
+            added = _added_members(usage, priority)
+            return b"%b%b%b%b" % (self.raw[:start], added, b"," if body else b"", self.raw[start:])
         changes: dict[str, Any] = {}
-        if self.stream and not self.wants_usage:
-            opts = dict(self.body.get("stream_options") or {})
+        if usage:
+            opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True
             opts.pop("continuous_usage_stats", None)
             changes["stream_options"] = opts
-        if priority is not None and self.endpoint.prioritised and self._overrides(priority):
+        if priority is not None:
             changes["priority"] = priority
-        if not changes:
-            return self.raw
-        body = self.body
-        if not any(name in body for name in changes):
-            # Members the client did not send go in front of its own, its bytes kept: the
-            # same object to any JSON reader, without encoding the whole body again.
-            added = _COMPACT.encode(changes).encode()[1:-1]
-            start = self.raw.index(b"{") + 1
-            return b"%b%b%b%b" % (self.raw[:start], added, b"," if body else b"", self.raw[start:])
-        body = {**body, **changes}
-        return _COMPACT_UTF8.encode(body).encode()
+        return _COMPACT_UTF8.encode({**body, **changes}).encode()
 
     def _overrides(self, priority: int) -> bool:
         """Whether the tier's ``priority`` replaces the client's own ``priority`` field.
@@ -458,7 +474,10 @@ def slo_targets(header: Callable[[str], str | None]) -> SloTargets:
     decimal number of milliseconds, at most an hour; anything else is an
     :class:`InvalidRequest` naming the header.
     """
-    return SloTargets(_target(header, SLO_TTFT_HEADERS), _target(header, SLO_TPOT_HEADERS))
+    ttft, tpot = _target(header, SLO_TTFT_HEADERS), _target(header, SLO_TPOT_HEADERS)
+    if ttft is None and tpot is None:
+        return NO_TARGETS  # the usual case: a frozen dataclass costs a call per field to make
+    return SloTargets(ttft, tpot)
 
 
 def _target(header: Callable[[str], str | None], names: tuple[str, ...]) -> float | None:

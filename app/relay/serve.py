@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
@@ -66,7 +66,7 @@ from app.relay.answer import Answer
 from app.relay.attempt import Attempts, Told
 from app.relay.feedback import Feedback
 from app.relay.record import Recorder, RequestEnd, learns
-from app.settings import Settings
+from app.settings import Settings, TierSpec
 from app.shutdown import Shutdown
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,18 @@ class RelayDeps:
     recorder: Recorder
     slots: UpstreamSlots
     shutdown: Shutdown
+    _priorities: dict[str, int | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        tiers = self.settings.tiers
+        self._priorities = {t.name: self.settings.worker_priority_of(t) for t in tiers}
+
+    def worker_priority(self, tier: TierSpec) -> int | None:
+        """:meth:`app.settings.Settings.worker_priority_of`, worked out once per tier."""
+        try:
+            return self._priorities[tier.name]
+        except KeyError:
+            return self.settings.worker_priority_of(tier)
 
 
 @dataclass(slots=True)
@@ -145,7 +157,7 @@ class Relay:
         self._loop = asyncio.get_running_loop()
         self._attempts = Attempts(
             deps.settings, deps.wire, deps.slots, ctx.request, ctx.timer, ctx.request_id,
-            self._feedback, deps.settings.worker_priority_of(ctx.identity.tier), self._loop,
+            self._feedback, deps.worker_priority(ctx.identity.tier), self._loop,
         )  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
