@@ -111,7 +111,7 @@ class Response:
     Read the body with :meth:`push` (streams) or :meth:`read` (whole), once; then :meth:`close`.
     """
 
-    __slots__ = ("_conn", "_ended", "_error", "_pieces", "_sink", "_waiter", "headers", "status")
+    __slots__ = ("_conn", "_ended", "_error", "_pieces", "_waiter", "headers", "sink", "status")
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
@@ -119,7 +119,8 @@ class Response:
         self.headers: list[tuple[bytes, bytes]] = []
         """The head's fields, names in lower case, in the order the worker sent them."""
         self._pieces: collections.deque[bytes] = collections.deque()
-        self._sink: Sink | None = None
+        self.sink: Sink | None = None
+        """What takes the body's pieces now, while :meth:`push` waits (None: they are kept)."""
         self._waiter: asyncio.Future[Awaitable[None] | None] | None = None
         self._ended = False
         self._error: WireError | None = None
@@ -154,12 +155,12 @@ class Response:
             return None
         waiter: asyncio.Future[Awaitable[None] | None] = self._conn.loop.create_future()
         self._waiter = waiter
-        self._sink = sink
+        self.sink = sink
         self._conn.resume()
         try:
             return await waiter
         finally:
-            self._sink = self._waiter = None
+            self.sink = self._waiter = None
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body (at most ``limit`` bytes of it, if given, then what has come)."""
@@ -188,23 +189,22 @@ class Response:
 
     # The connection calls these, from its parser's callbacks.
 
-    def deliver(self, piece: bytes) -> None:
-        """A piece of the body came: to the sink, or kept until the next :meth:`push`."""
-        sink = self._sink
-        if sink is None:
-            self._pieces.append(piece)
-            return
-        try:
-            pending = sink(piece)
-        except Exception as exc:  # a fault of the sink's must not reach the parser
-            self._sink = None
-            self._conn.pause()
-            self._settle(exc)
-            return
-        if pending is not None:
-            self._sink = None
-            self._conn.pause()
-            self._settle(pending)
+    def keep(self, piece: bytes) -> None:
+        """A piece of the body came while nothing takes it: kept until the next :meth:`push`.
+
+        While :attr:`sink` is set, the connection hands each piece to it instead, and calls
+        :meth:`stop` when the sink cannot take more.
+        """
+        self._pieces.append(piece)
+
+    def stop(self, outcome: Awaitable[None] | Exception) -> None:
+        """The sink cannot take more now: reading stops, and :meth:`push` returns ``outcome``.
+
+        An awaitable to wait for before pushing again, or the sink's fault, raised by it.
+        """
+        self.sink = None
+        self._conn.pause()
+        self._settle(outcome)
 
     def _settle(self, outcome: Awaitable[None] | BaseException | None) -> None:
         waiter = self._waiter
@@ -218,8 +218,8 @@ class Response:
     def end(self) -> None:
         """The body ended."""
         self._ended = True
-        if self._sink is not None:
-            self._sink = None
+        if self.sink is not None:
+            self.sink = None
             self._settle(None)
 
     def fail(self, error: WireError) -> None:
@@ -227,8 +227,8 @@ class Response:
         if self._ended or self._error is not None:
             return
         self._error = error
-        if self._sink is not None:
-            self._sink = None
+        if self.sink is not None:
+            self.sink = None
             self._settle(error)
 
 
@@ -332,10 +332,21 @@ class _Connection(asyncio.Protocol):
     # splitter, not the chunking, says where an event ends.
 
     def on_body(self, body: bytes) -> None:
-        """A piece of the body: handed on at once."""
+        """A piece of the body: to the response's sink at once, or kept for its next push."""
         response = self.response
-        if response is not None:
-            response.deliver(body)
+        if response is None:
+            return
+        sink = response.sink
+        if sink is None:
+            response.keep(body)
+            return
+        try:
+            pending = sink(body)
+        except Exception as exc:  # a fault of the sink's must not reach the parser
+            response.stop(exc)
+            return
+        if pending is not None:
+            response.stop(pending)
 
     def on_message_complete(self) -> None:
         """The response ended."""
