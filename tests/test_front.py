@@ -303,6 +303,25 @@ async def test_a_fault_before_the_answer_is_a_500_in_openai_s_shape() -> None:
     assert transport.closed
 
 
+async def answer_with_head(headers: list[tuple[bytes, bytes]]) -> tuple[list[str], Recording]:
+    """What an app starting its answer with ``headers`` sent, and its refusals."""
+    refused: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        writer = scope[WRITER_KEY]
+        try:
+            writer.start(200, headers)
+        except RuntimeError as exc:
+            refused.append(str(exc))
+            raise
+        assert writer.end(b"") is None
+
+    protocol, transport = connect(app)
+    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await settle()
+    return refused, transport
+
+
 @pytest.mark.parametrize(
     ("headers", "bad"),
     [
@@ -317,33 +336,17 @@ async def test_a_fault_before_the_answer_is_a_500_in_openai_s_shape() -> None:
 async def test_a_response_header_that_would_break_the_head_is_refused(
     headers: list[tuple[bytes, bytes]], bad: bytes
 ) -> None:
-    refused: list[str] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        writer = scope[WRITER_KEY]
-        try:
-            writer.start(200, headers)
-        except RuntimeError as exc:
-            refused.append(str(exc))
-            raise
-
-    protocol, transport = connect(app)
-    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await settle()
+    refused, transport = await answer_with_head(headers)
     assert refused == [f"invalid response header {bad!r}"]
     assert b"evil" not in transport.wire
     assert transport.wire.startswith(b"HTTP/1.1 500 ")
 
 
 async def test_tabs_and_visible_bytes_are_valid_in_a_response_header() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        writer = scope[WRITER_KEY]
-        writer.start(200, [(b"x-a", b"one\ttwo \xe9"), (b"X-B!#$%&'*+.^_`|~9", b"")])
-        assert writer.end(b"") is None
-
-    protocol, transport = connect(app)
-    protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    await settle()
+    refused, transport = await answer_with_head(
+        [(b"x-a", b"one\ttwo \xe9"), (b"X-B!#$%&'*+.^_`|~9", b"")]
+    )
+    assert refused == []
     assert transport.writes == [
         b"HTTP/1.1 200 OK\r\nx-a: one\ttwo \xe9\r\nx-b!#$%&'*+.^_`|~9: \r\n"
         b"content-length: 0\r\n\r\n"
