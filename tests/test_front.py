@@ -9,6 +9,7 @@ that must be refused with a 400 and the connection closed (no request smuggling)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -50,16 +51,23 @@ class Recording(asyncio.Transport):
         self.writes: list[bytes] = []
         self.closed = self.aborted = self.eof = False
         self.paused = False
+        self.gone = asyncio.Event()
+        """Set when the connection is closed or aborted."""
+        self.wrote = asyncio.Event()
+        """Set by each write."""
 
     def write(self, data: Any) -> None:
         assert not self.closed, "written after close"
         self.writes.append(bytes(data))
+        self.wrote.set()
 
     def close(self) -> None:
         self.closed = True
+        self.gone.set()
 
     def abort(self) -> None:
         self.closed = self.aborted = True
+        self.gone.set()
 
     def is_closing(self) -> bool:
         return self.closed
@@ -301,6 +309,44 @@ async def test_a_fault_before_the_answer_is_a_500_in_openai_s_shape() -> None:
     assert head.startswith(b"HTTP/1.1 500 ")
     assert json.loads(body)["error"]["type"] == "server_error"
     assert transport.closed
+
+
+async def test_a_kept_connection_s_next_head_gets_a_whole_deadline_of_its_own() -> None:
+    # One head timer a connection, left running past a head's end: a later head is still
+    # refused only header_timeout_s after its own first byte.
+    loop = asyncio.get_running_loop()
+    protocol, transport = connect(echo, dataclasses.replace(LIMITS, header_timeout_s=0.3))
+    protocol.data_received(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
+    await settle()
+    assert len(transport.writes) == 1
+    await asyncio.sleep(0.2)
+    protocol.data_received(b"GET /b HTTP/1.1\r\nho")  # a head begun, not ended
+    begun = loop.time()
+    await asyncio.sleep(0.2)  # past the first head's deadline, not this one's
+    assert not transport.closed
+    assert len(transport.writes) == 1
+    transport.wrote.clear()
+    await asyncio.wait_for(transport.wrote.wait(), 2.0)
+    assert loop.time() - begun >= 0.29
+    assert transport.writes[1].startswith(b"HTTP/1.1 408 ")
+    assert transport.eof  # half-closed after the refusal
+
+
+async def test_a_kept_connection_closes_a_keep_alive_after_its_last_answer() -> None:
+    loop = asyncio.get_running_loop()
+    protocol, transport = connect(echo, dataclasses.replace(LIMITS, keep_alive_s=0.3))
+    protocol.data_received(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
+    await settle()
+    await asyncio.sleep(0.2)
+    protocol.data_received(b"GET /b HTTP/1.1\r\nhost: x\r\n\r\n")
+    await settle()
+    answered = loop.time()
+    assert len(transport.writes) == 2
+    await asyncio.sleep(0.2)  # past a keep-alive from the first answer, not from the last
+    assert not transport.closed
+    await asyncio.wait_for(transport.gone.wait(), 2.0)
+    assert loop.time() - answered >= 0.29
+    assert len(transport.writes) == 2  # closed idle, with nothing written
 
 
 async def answer_with_head(headers: list[tuple[bytes, bytes]]) -> tuple[list[str], Recording]:

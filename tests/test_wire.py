@@ -82,6 +82,33 @@ async def test_a_connection_is_kept_for_the_next_request_and_closed_when_idle() 
     client.close()
 
 
+async def test_a_kept_connection_is_closed_a_keep_alive_after_its_last_use_not_its_first() -> None:
+    loop = asyncio.get_running_loop()
+    closed: asyncio.Future[float] = loop.create_future()
+
+    async def answer_then_note_the_close(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            await _answer_all(reader, writer)
+        finally:
+            closed.set_result(loop.time())
+
+    client = WireClient(2.0, keepalive_s=0.3)
+    async with worker(answer_then_note_the_close) as (port, accepted):
+        start = last_use = loop.time()
+        while last_use - start < 0.5:  # in use past the first keep-alive's end
+            assert await _request(client, port) == b"{}"
+            last_use = loop.time()
+            await asyncio.sleep(0.02)
+        assert accepted == [1]
+        await asyncio.sleep(0.15)  # idle, within the keep-alive since its last use
+        assert client.idle_connections() == 1
+        assert await asyncio.wait_for(closed, 2.0) - last_use >= 0.29  # once idle that long
+        assert client.idle_connections() == 0
+    client.close()
+
+
 async def test_a_closed_connection_is_freed_with_its_last_reference_not_by_the_collector() -> None:
     with saved_garbage() as garbage:
         client = WireClient(2.0, keepalive_s=0.05)
