@@ -252,8 +252,6 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self.closed = False
         self.idle_timer: asyncio.TimerHandle | None = None
-        self.idle_since: float | None = None
-        """When the connection went back to its pool (None: in use, or not kept)."""
 
     # asyncio's callbacks
 
@@ -450,30 +448,14 @@ class _Pool:
     def take(self) -> _Connection | None:
         while self.idle:
             conn, _ = self.idle.popitem()
-            # Its idle timer is left running: when it fires, it finds the connection in use
-            # and lapses (a timer armed and cancelled for every request cost more).
-            conn.idle_since = None
+            _disarm(conn)
             if not conn.closed:
                 return conn
         return None
 
     def keep(self, conn: _Connection) -> None:
-        conn.idle_since = conn.loop.time()
-        if conn.idle_timer is None:
-            conn.idle_timer = conn.loop.call_later(self._keepalive_s, self._idle_check, conn)
+        conn.idle_timer = conn.loop.call_later(self._keepalive_s, conn.abort)
         self.idle[conn] = None
-
-    def _idle_check(self, conn: _Connection) -> None:
-        """Close ``conn`` if it has been idle ``keepalive_s``; else look again when it could be."""
-        conn.idle_timer = None
-        since = conn.idle_since
-        if since is None or conn.closed:
-            return  # in use: kept again, it arms a timer of its own
-        left = since + self._keepalive_s - conn.loop.time()
-        if left > 0:
-            conn.idle_timer = conn.loop.call_later(left, self._idle_check, conn)
-        else:
-            conn.abort()
 
     def forget(self, conn: _Connection) -> None:
         _disarm(conn)
@@ -488,7 +470,6 @@ class _Pool:
 
 def _disarm(conn: _Connection) -> None:
     """Stop an idle connection's keep-alive timer."""
-    conn.idle_since = None
     if conn.idle_timer is not None:
         conn.idle_timer.cancel()
         conn.idle_timer = None

@@ -75,8 +75,6 @@ class ClientConnection(asyncio.Protocol):
         pipelined)."""
         self._pipeline: deque[Exchange] = deque()
         self._keep_alive: asyncio.TimerHandle | None = None
-        self._idle_since: float | None = None
-        """When the connection was last left with nothing to do (None: since busy)."""
         self._linger: asyncio.TimerHandle | None = None
         self._refused = False
         """A request was refused: what the client still sends is read and dropped."""
@@ -183,14 +181,10 @@ class ClientConnection(asyncio.Protocol):
             self._write_refusal()
         else:
             self.resume_reading()
-            if self._reading is None:
-                self._idle_since = self.loop.time()
-                # One timer a connection, not one a request: one still running lapses or
-                # looks again from this moment when it fires.
-                if self._keep_alive is None:
-                    self._keep_alive = self.loop.call_later(
-                        self.limits.keep_alive_s, self._idle_timed_out
-                    )
+            if self._reading is None and self._keep_alive is None:
+                self._keep_alive = self.loop.call_later(
+                    self.limits.keep_alive_s, self._idle_timed_out
+                )
 
     def shutdown(self) -> None:
         """The server is stopping: close now if idle, else after the answer in progress."""
@@ -205,19 +199,9 @@ class ClientConnection(asyncio.Protocol):
         if not self.closing():
             self.transport.close()
 
-    def busy(self) -> None:
-        """The client sent something: the connection is not idle (its keep-alive stops)."""
-        self._idle_since = None
-
     def _idle_timed_out(self) -> None:
         self._keep_alive = None
-        since = self._idle_since
-        if since is None or self._exchange is not None or self._reading is not None:
-            return
-        left = since + self.limits.keep_alive_s - self.loop.time()
-        if left > 0:
-            self._keep_alive = self.loop.call_later(left, self._idle_timed_out)
-        else:
+        if self._exchange is None and self._reading is None:
             self._close()
 
     def _write_refusal(self) -> None:

@@ -132,8 +132,6 @@ class FrontProtocol(ClientConnection):
         """The head's bytes as httptools reported them."""
         self._head_fields = 0
         self._head_started = 0.0
-        self._head_pending = False
-        """A head's deadline runs (from the connection's start or the request's first byte)."""
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -155,7 +153,9 @@ class FrontProtocol(ClientConnection):
         """Count the head's bytes before the parser sees them; parse; refuse what is bad."""
         if self._refused:
             return  # the lingering close: read, dropped
-        self.busy()
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            self._keep_alive = None
         if self._in_head:
             self._head_bytes += len(data)
         try:
@@ -183,7 +183,7 @@ class FrontProtocol(ClientConnection):
         self._headers = []
         self._continue = False
         self._first_byte = self._hooks.clock() if self._hooks is not None else None
-        if not self._head_pending:
+        if self._head_timer is None:
             self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
@@ -211,7 +211,9 @@ class FrontProtocol(ClientConnection):
         if self._refused:
             return
         self._in_head = False
-        self._head_pending = False  # its timer, left running, lapses when it fires
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         parser = self.parser
         version = parser.get_http_version()
         try:
@@ -288,21 +290,12 @@ class FrontProtocol(ClientConnection):
         self._refuse(431, message, "request_header_fields_too_large")
 
     def _arm_head_timer(self) -> None:
-        # One timer a connection, not one a request: a timer still running from an earlier
-        # head is left to fire, and then looks again from this head's start.
-        self._head_pending = True
         self._head_started = self.loop.time()
-        if self._head_timer is None:
-            timeout = self.limits.header_timeout_s
-            self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if not self._head_pending or self._refused or self.closing():
-            return
-        left = self._head_started + self.limits.header_timeout_s - self.loop.time()
-        if left > 0:
-            self._head_timer = self.loop.call_later(left, self._head_timed_out)
+        if self._refused or self.closing():
             return
         if self._head_bytes == 0 and self._exchange is None:
             self._close()  # a connection that never sent a byte: no request to answer
