@@ -532,6 +532,10 @@ async def _vllm_bench(url: str, out: Any, prompts: int, streams: int, *more: str
     return result
 
 
+# A client's read of a stream stamped late once, on a busy 2-core machine (see the test below).
+_LATE_READ_MS = 5.0
+
+
 async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
     vllm_worker_url: str, tmp_path: Any
 ) -> None:
@@ -543,7 +547,8 @@ async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
     splits nothing is run again at its own median, up to six times. Both read TPOT over the same
     stream of tokens, the client from its reads (to the stream's end, as vLLM's client judges
     goodput), the gateway from its writes: they differ by a loop's lag over the answer's 23
-    gaps, so only a request the client saw within 3% of the target may be counted differently.
+    gaps, so only a request the client saw within 3% of the target, or within one late read
+    of it, may be counted differently.
     """
     await wait_idle(vllm_worker_url, 5)
     prompts, streams = 24, 4
@@ -583,7 +588,15 @@ async def test_vllm_bench_goodput_and_the_gateways_slo_count_agree(
             # nothing was split, so nothing was compared. Again, at its median.
             target = sorted(tpots_ms(result))[prompts // 2]
     good = round(result["request_goodput"] * result["duration"])
-    near = sum(1 for t in tpots_ms(result) if abs(t - used) <= 0.03 * used)
+    # Near: within 3% of the target, or within one late stamp of it. The client stamps its
+    # reads in another process than the gateway's writes, and on a busy 2-core machine one
+    # stamp may come a few ms late (seen: a 4.90 ms target, the client judged 3 of 24 good and
+    # the gateway 5 met, the client's next TPOTs 4.95 and 5.07 ms). A stream's end or first
+    # token stamped _LATE_READ_MS late moves its TPOT by that over its gaps.
+    runs = zip(tpots_ms(result), result["output_lens"], strict=True)
+    near = sum(
+        1 for t, n in runs if abs(t - used) <= max(0.03 * used, _LATE_READ_MS / max(1, n - 1))
+    )
     print(
         f"TPOT target {used:.2f} ms (run {attempt + 1}): client good {good}, "
         f"gateway met {met:.0f}, near {near}"
