@@ -7,13 +7,12 @@ against the tiers' targets, and reads the workers' own saturation signals.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 from app.api.outcome import LimitCut
 from app.fleet.workers import Worker, WorkerPool
 from app.observe.looplag import LoopLagProbe
 from app.observe.metrics import GatewayMetrics
-from app.settings import Settings, TierSpec
+from app.settings import Settings, TierSpec, strictest_tpot_s
 
 # The least spread of the loads finished streams ran at before the learnt decode line bounds
 # the running limit (a line through loads of 1 and 2 says nothing of 25).
@@ -74,9 +73,9 @@ class Limits:
         since = now - _TIER_ACTIVE_S
         active = [t for t in tiers if self._last_arrival.get(t.name, -math.inf) > since]
         playing = active or tiers
-        tpot = _strictest_tpot(playing)
+        tpot = strictest_tpot_s(playing)
         if worker is not None and tpot is not None and not self.reachable(worker, tpot):
-            tpot = _strictest_tpot(
+            tpot = strictest_tpot_s(
                 t
                 for t in playing
                 if t.tpot_slo_s is not None and self.reachable(worker, t.tpot_slo_s)
@@ -332,17 +331,3 @@ def _within_fit(worker: Worker, most: int) -> int:
     """``most``, at most what ``worker``'s KV cache holds of requests of the typical size."""
     fit = worker.kv_fit()
     return most if fit >= most else max(1, math.floor(fit))
-
-
-def _strictest_tpot(tiers: Iterable[TierSpec]) -> float | None:
-    """The strictest TPOT target of ``tiers``, if any has one.
-
-    Here rather than the settings' module: this one is compiled, and :meth:`Limits.targets`
-    asks it for every request.
-    """
-    best: float | None = None
-    for tier in tiers:
-        target = tier.tpot_slo_s
-        if target is not None and (best is None or target < best):
-            best = target
-    return best
