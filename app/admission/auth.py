@@ -125,7 +125,9 @@ class Authenticator:
     def __init__(self, settings: Settings, clock: Clock, shared: SharedState | None = None) -> None:
         self.tiers = {tier.name: tier for tier in settings.tiers}
         self._default = self.tiers[settings.default_tier]
-        self._anonymous: dict[str, Identity] = {}
+        # Keys off, no fairness id: one identity per tier, made once (a frozen dataclass costs
+        # a call per field to make).
+        self._anonymous = {name: Identity(None, tier) for name, tier in self.tiers.items()}
         specs = list(settings.api_keys)
         if settings.api_keys_file is not None:
             specs += _keys_file(settings.api_keys_file)
@@ -194,12 +196,7 @@ class Authenticator:
             tier = wanted
         if key is None:
             if not fairness:
-                # Keys off, no fairness id: one identity per tier, made once (a frozen
-                # dataclass costs a call per field to make).
-                anonymous = self._anonymous.get(tier.name)
-                if anonymous is None or anonymous.tier is not tier:
-                    anonymous = self._anonymous[tier.name] = Identity(None, tier)
-                return anonymous
+                return self._anonymous[tier.name]
             return Identity(None, tier, fairness)
         if fairness is None or not key.spec.sets_fairness_id:
             fairness = key.name
