@@ -112,9 +112,6 @@ class Exchange:
 
     def received(self) -> None:
         """More of the request arrived, or it ended, or the connection did."""
-        self._signal()
-
-    def _signal(self) -> None:
         if self._event is None:
             self._signalled = True
         else:
@@ -368,4 +365,4 @@ class Exchange:
             watcher, self._gone = self._gone, None
             if watcher is not None:
                 watcher()
-        self._signal()
+        self.received()
