@@ -6,6 +6,7 @@ Against the real worker's ``/tokenize``: tests/test_kv_events_real.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer as RustTokenizer
 
 from app.fleet.localtokens import LocalTokenizer, TokenizerFilesError
 from app.fleet.tokens import Tokenizer
@@ -26,6 +28,11 @@ from tests.test_prefix import _chat
 from tests.wire_bridge import bridge
 
 TINY = Path(__file__).parent.parent / "models" / "tiny-llama"
+
+
+@functools.cache
+def _plain() -> RustTokenizer:
+    return RustTokenizer.from_file(str(TINY / "tokenizer.json"))
 
 
 def _part(text: str) -> dict[str, str]:
@@ -271,3 +278,18 @@ async def test_what_the_gateway_cannot_render_is_asked_with_an_earlier_turn_lead
     following = await tokenizer.tokens(_chat("hi " * 40, "yes", "then?", tools=tools), {4}, spec)
     assert following[1] == "partial"  # routed on the first turn's tokens, the whole asked behind
     await tokenizer.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=300), special=st.booleans())
+def test_the_encoding_without_offsets_gives_the_tokenizers_own_ids(
+    tiny: LocalTokenizer, text: str, special: bool
+) -> None:
+    # encode() takes the tokenizer's batch call without offsets, for speed: its ids must be
+    # the plain encoding's, special tokens (and any text that spells one) included.
+    plain = _plain()
+    for sample in (text, f"<s>{text}</s>", text * 20):
+        assert (
+            tiny.encode(sample, special=special)
+            == plain.encode(sample, add_special_tokens=special).ids
+        )

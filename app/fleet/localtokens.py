@@ -43,9 +43,6 @@ _MESSAGE_KEYS: Final = frozenset({"role", "content", "name"})
 _SPECIAL_NAMES: Final = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token")
 # Whole encodings the pieces are checked against before they are trusted alone.
 _CHECKS: Final = 4
-# Text longer than this is encoded by the tokenizer's batch call, which lets go of the GIL:
-# a caller in another thread leaves the event loop running meanwhile.
-_RELEASE_CHARS: Final = 2048
 # A template that loops over a message's content takes it as a list of parts (vLLM's
 # "openai" content format); any other takes a string, parts joined by newlines.
 _LOOPS_OVER_CONTENT: Final = re.compile(
@@ -173,11 +170,14 @@ class LocalTokenizer:
         return self.encode(prompt, special=special)
 
     def encode(self, text: str, special: bool) -> list[int]:
-        """``text`` encoded whole."""
-        if len(text) > _RELEASE_CHARS:
-            ids: list[int] = self._rust.encode_batch([text], add_special_tokens=special)[0].ids
-        else:
-            ids = self._rust.encode(text, add_special_tokens=special).ids
+        """``text`` encoded whole.
+
+        By the tokenizer's ``encode_batch_fast``: the same ids as ``encode``, without the
+        characters' offsets (about 30% less CPU at every length measured, 20 to 16,000
+        characters), and it lets go of the GIL: a caller in another thread leaves the event
+        loop running meanwhile.
+        """
+        ids: list[int] = self._rust.encode_batch_fast([text], add_special_tokens=special)[0].ids
         return ids
 
     def _by_pieces(self, text: str) -> list[int]:
