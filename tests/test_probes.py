@@ -103,17 +103,23 @@ async def test_a_probe_reads_the_whole_answer_and_keeps_its_connection(serve: Se
     wire.close()
 
 
-async def test_an_error_status_raises_httpx_status_error(serve: Serve, prober: Prober) -> None:
-    worker = await serve(lambda head: _ok(b"not ready", b"503 Service Unavailable"))
+@pytest.mark.parametrize("status", [b"503 Service Unavailable", b"404 Not Found", b"302 Found"])
+async def test_a_status_other_than_2xx_raises_httpx_status_error(
+    serve: Serve, prober: Prober, status: bytes
+) -> None:
+    worker = await serve(lambda head: _ok(b"not ready", status))
     with pytest.raises(httpx.HTTPStatusError) as caught:
         await prober.get(_spec(worker.port), "/health", 1.0)
-    assert caught.value.response.status_code == 503
+    assert caught.value.response.status_code == int(status[:3])
+    # The request is made only for a failure: it still names the probe.
+    assert str(caught.value.request.url) == f"http://127.0.0.1:{worker.port}/health"
 
 
 async def test_a_worker_that_never_answers_times_out_as_a_read(serve: Serve) -> None:
     worker = await serve(lambda head: None)
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.ReadTimeout) as caught:
         await Prober(WireClient(1.0)).get(_spec(worker.port), "/health", 0.2)
+    assert str(caught.value.request.url) == f"http://127.0.0.1:{worker.port}/health"
 
 
 async def test_a_refused_connection_is_a_connect_error() -> None:

@@ -564,7 +564,8 @@ class WorkerPool:
         own = worker.in_flight
         try:
             response = await self._prober.get(worker.spec, "/metrics", timeout)
-            sample = parse_load(response.text, self._clock())
+            # Prometheus' text format is UTF-8: ``text`` would look for a charset each scrape.
+            sample = parse_load(response.content.decode("utf-8", "replace"), self._clock())
         except (httpx.HTTPError, ValueError):
             return  # the sample ages and counts as busy; health is the probe's business
         before = worker.load
