@@ -1200,10 +1200,13 @@ def prefix_cache_panels() -> list[Json]:
             "predicted it when it chose the worker (gateway_worker_predicted_prefix_hit_tokens "
             "over gateway_worker_prefix_query_tokens, summed over gateway replicas), and as the "
             "worker counted it (vllm:prefix_cache_hits over vllm:prefix_cache_queries, all "
-            "clients). Predicted well above vLLM's: the index remembers prefixes the worker has "
-            "evicted, or another client fills its cache; well below: traffic from elsewhere "
-            "(other replicas, other tenants) warms the cache. Empty for the gateway under other "
-            "policies.",
+            "clients), and as each usage told it for the gateway's own requests "
+            "(gateway_worker_cached_prompt_tokens over gateway_worker_cache_told_prompt_tokens; "
+            "vLLM started with --enable-prompt-tokens-details). Predicted well above found: the "
+            "index remembers prefixes the worker has evicted "
+            "(gateway_worker_prefix_missed_tokens counts that credit), or another client fills "
+            "its cache; well below: traffic from elsewhere (other replicas, other tenants) warms "
+            "the cache. Predicted empty for the gateway under other policies.",
             refs(
                 [
                     (
@@ -1219,6 +1222,14 @@ def prefix_cache_panels() -> list[Json]:
                             "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", VW
                         ),
                         "vLLM {{worker}}",
+                    ),
+                    (
+                        hit_rate(
+                            "gateway_worker_cached_prompt_tokens_total",
+                            "gateway_worker_cache_told_prompt_tokens_total",
+                            W,
+                        ),
+                        "found {{worker}}",
                     ),
                 ]
             ),

@@ -404,6 +404,9 @@ class VllmWorker:
             # gateway sends for each request's tier.
             "--scheduling-policy",
             "priority",
+            # Each usage tells the prompt tokens found in the prefix cache, which the gateway
+            # counts per worker beside what its routing predicted.
+            "--enable-prompt-tokens-details",
             *self.extra_args,
         ]
 

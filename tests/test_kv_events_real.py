@@ -29,6 +29,9 @@ WORDS = ("river", "stone", "light", "green", "cloud", "north", "table", "small",
 ROUTED = "gateway_worker_routed_requests_total"
 PREDICTED = "gateway_worker_predicted_prefix_hit_tokens_total"
 BLOCKS = "gateway_worker_kv_index_blocks"
+CACHED = "gateway_worker_cached_prompt_tokens_total"
+MISSED = "gateway_worker_prefix_missed_tokens_total"
+TOLD = "gateway_worker_cache_told_prompt_tokens_total"
 HITS = "vllm:prefix_cache_hits_total"
 
 
@@ -140,6 +143,13 @@ async def test_a_prefix_cached_by_others_goes_where_the_events_say_until_it_is_e
         found = await _hits(workers) - hits
         assert found >= 3 * 6 * 128, found
         assert predicted >= 3 * 6 * 128 * 0.8, predicted
+        # The worker's usage told the gateway what it found, request by request: the same
+        # count as its own metrics (counted as each request is recorded, after its answer).
+        told = await _until(
+            gateway, lambda page: total(page, TOLD) - total(before, TOLD) >= 3 * 7 * 128
+        )
+        assert total(told, CACHED, worker=e) - total(before, CACHED, worker=e) == found
+        assert total(told, MISSED) - total(before, MISSED) == 0  # no credit given in vain
         # Other traffic on E evicts it (three prompts of 8 blocks through a cache of 16).
         for seed in (701, 702, 703):
             await _chat(client, worker_e.url, _system(seed), "Something else.")
@@ -151,6 +161,8 @@ async def test_a_prefix_cached_by_others_goes_where_the_events_say_until_it_is_e
         after = await scrape(gateway)
         assert total(after, PREDICTED) - total(before, PREDICTED) == 0
         assert await _hits(workers) - hits == 0
+        told = await _until(gateway, lambda page: total(page, TOLD) > total(before, TOLD))
+        assert total(told, CACHED) - total(before, CACHED) == 0
         assert total(after, "gateway_worker_kv_event_batches_lost_total", worker=e) == 0
 
 

@@ -7,12 +7,14 @@ import pytest
 from app.api.sse import (
     EventKind,
     EventSplitter,
+    cached_tokens,
     classify,
     event_data,
     event_fingerprint,
     event_json,
     fingerprint_member,
     parse_usage,
+    usage_cached,
     usage_counts,
 )
 
@@ -118,6 +120,43 @@ def test_the_usage_chunk_s_scan_reads_what_decoding_it_does(event: bytes) -> Non
     payload = event_json(event)
     assert parse_usage(event) == usage_counts(payload)
     assert event_fingerprint(event) == fingerprint_member(payload)
+
+
+@pytest.mark.parametrize(
+    ("event", "cached"),
+    [
+        # vLLM with --enable-prompt-tokens-details (0.32: exclude_none, these keys in order).
+        (
+            _USAGE_HEAD + b'"usage":{"prompt_tokens":900,"total_tokens":902,"completion_tokens":2,'
+            b'"prompt_tokens_details":{"cached_tokens":768}}}\n\n',
+            768,
+        ),
+        (
+            _USAGE_HEAD + b'"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2,'
+            b'"prompt_tokens_details":{"cached_tokens":0,"created_cache_tokens":9}}}\n\n',
+            0,
+        ),
+        # The Responses API's usage, at the end of its stream.
+        (
+            b'data: {"type":"response.completed","response":{"usage":{"input_tokens":5,'
+            b'"output_tokens":2,"input_tokens_details":{"cached_tokens":4}}}}\n\n',
+            4,
+        ),
+        # Not told: no details, details of nothing, or only the text spells the key.
+        (USAGE, None),
+        (
+            _USAGE_HEAD + b'"usage":{"prompt_tokens":10,"total_tokens":16,"completion_tokens":6,'
+            b'"prompt_tokens_details":null}}\n\n',
+            None,
+        ),
+        (b'data: {"choices":[{"delta":{"content":"\\"cached_tokens\\":3"}}]}\n\n', None),
+    ],
+)
+def test_the_cached_tokens_scan_reads_what_decoding_the_usage_does(
+    event: bytes, cached: int | None
+) -> None:
+    assert cached_tokens(event) == cached
+    assert usage_cached(event_json(event)) == cached
 
 
 def test_vllm_s_usage_chunk_is_read_without_decoding_it() -> None:

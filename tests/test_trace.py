@@ -289,3 +289,70 @@ async def test_a_fault_in_counting_or_learning_gives_every_slot_back(
     in_flight = [line for line in lines if line.startswith("gateway_worker_in_flight")]
     assert in_flight, "the worker's in-flight gauge is exported"
     assert all(line.endswith(" 0.0") for line in in_flight), in_flight
+
+
+async def test_the_workers_cached_tokens_are_counted_beside_what_routing_predicted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker's usage tells the prompt tokens it found cached (``--enable-prompt-tokens-
+    details``): counted per worker, logged beside the prediction, and a prediction above what
+    was found is counted as missed. The first answer is streamed, the second whole."""
+    found = iter([0, 100])
+
+    async def answer(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        usage = {"prompt_tokens": 900, "total_tokens": 902, "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": next(found)}}  # fmt: skip
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "t0 t1"}
+            return httpx.Response(200, json={
+                "id": "c1", "object": "chat.completion", "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+                "usage": usage,
+            })  # fmt: skip
+
+        async def events() -> AsyncIterator[bytes]:
+            async for event in tokens(2, usage=False):
+                if event.startswith(b"data: [DONE]"):
+                    payload = {"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                               "model": MODEL, "choices": [], "usage": usage}  # fmt: skip
+                    yield b"data: " + json.dumps(payload, separators=(",", ":")).encode()
+                    yield b"\n\n"
+                yield event
+
+        return worker.sse(events())
+
+    worker = FakeWorker(answer)
+    caplog.set_level(logging.INFO, logger="app.access")
+    settings = settings_for(WORKER, access_log=True, routing="prefix_aware")
+    system = " ".join(f"word{i % 97}" for i in range(700))  # ~5,000 characters
+    body = {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": "hi"}]}  # fmt: skip
+    async with running_gateway(settings, worker.transport) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            for i, stream in enumerate((True, False)):
+                r = await client.post(
+                    "/v1/chat/completions", json={**body, "stream": stream},
+                    headers={"x-request-id": f"cached-{i}"},
+                )  # fmt: skip
+                assert r.status_code == 200
+            metrics = (await client.get("/metrics")).text
+    lines = {
+        rec.getMessage().split(" ", 1)[0]: rec.getMessage()
+        for rec in caplog.records
+        if rec.name == "app.access"
+    }
+    assert "cached_tokens=0 predicted_cached=0" in lines["cached-0"]
+    second = re.search(r"cached_tokens=100 predicted_cached=(\d+)$", lines["cached-1"])
+    assert second is not None, lines["cached-1"]
+    predicted = int(second[1])
+    assert predicted > 100  # the whole system prompt, routed here a moment ago
+
+    def sample(name: str) -> float:
+        found = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", metrics, re.M)
+        assert found is not None, name
+        return float(found[1])
+
+    assert sample("gateway_worker_cached_prompt_tokens_total") == 100
+    assert sample("gateway_worker_cache_told_prompt_tokens_total") == 1800
+    # The log gives the prediction in whole tokens.
+    assert 0 <= sample("gateway_worker_prefix_missed_tokens_total") - (predicted - 100) < 1

@@ -154,6 +154,36 @@ def with_fingerprint(event: bytes, member: bytes) -> bytes:
     return event[:end] + member + event[end:]
 
 
+_CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
+
+
+def cached_tokens(event: bytes) -> int | None:
+    """The prompt tokens the worker found in its prefix cache, as a usage chunk's details say.
+
+    vLLM tells them (``usage.prompt_tokens_details.cached_tokens``, the Responses API's
+    ``input_tokens_details``) only when started with ``--enable-prompt-tokens-details``; None
+    when the event does not. Found by a scan: JSON escaping keeps the key out of any string.
+    """
+    if b'"cached_tokens"' not in event:
+        return None
+    found = _CACHED.search(event)
+    return None if found is None else int(found[1])
+
+
+def usage_cached(payload: Any) -> int | None:
+    """:func:`cached_tokens` of a decoded response, chunk or event (None: not told)."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if usage is None and isinstance(payload.get("response"), dict):
+        usage = payload["response"].get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
 def usage_counts(payload: Any) -> tuple[int, int] | None:
     """``(prompt_tokens, completion_tokens)`` from a decoded response, chunk or event.
 

@@ -914,6 +914,43 @@ METRICS: tuple[MetricSpec, ...] = (
         ),
     ),
     MetricSpec(
+        "worker_prefix_found",
+        "counter",
+        "gateway_worker_cached_prompt_tokens",
+        (
+            "Prompt tokens the worker found in its prefix cache, as its usage told "
+            "(vLLM's --enable-prompt-tokens-details)."
+        ),
+        ("worker",),
+        doc=(
+            "prompt tokens of this gateway's requests that the worker found in its prefix "
+            "cache, as its usage's `prompt_tokens_details.cached_tokens` told (vLLM started "
+            "with `--enable-prompt-tokens-details`); over "
+            "`gateway_worker_cache_told_prompt_tokens_total`, the worker's hit rate on exactly "
+            "the requests routing predicted for"
+        ),
+    ),
+    MetricSpec(
+        "worker_prefix_told",
+        "counter",
+        "gateway_worker_cache_told_prompt_tokens",
+        "Prompt tokens of the requests whose usage told their cached tokens.",
+        ("worker",),
+        doc="prompt tokens of the requests whose usage told their cached tokens",
+    ),
+    MetricSpec(
+        "worker_prefix_missed",
+        "counter",
+        "gateway_worker_prefix_missed_tokens",
+        "Tokens routing predicted the worker had cached that its usage said it did not find.",
+        ("worker",),
+        doc=(
+            "under `prefix_aware` routing: of the requests whose usage told their cached "
+            "tokens, those predicted to be cached that the worker did not find (evicted before "
+            "the prefill, or never there): cache credit given in vain"
+        ),
+    ),
+    MetricSpec(
         "worker_prefix_blocks",
         "gauge",
         "gateway_worker_prefix_index_blocks",
@@ -1128,6 +1165,9 @@ class GatewayMetrics:
     worker_decode_per_sequence: Gauge
     worker_prefix_queries: Counter
     worker_prefix_hits: Counter
+    worker_prefix_found: Counter
+    worker_prefix_told: Counter
+    worker_prefix_missed: Counter
     worker_prefix_blocks: Gauge
     worker_kv_events: Counter
     worker_kv_lost: Counter
@@ -1173,7 +1213,8 @@ class GatewayMetrics:
             self.worker_peak_flops, self.worker_concurrency_limit, self.worker_proven_concurrency,
             self.worker_decode_pace, self.worker_prefill_limit, self.worker_prefill_rate,
             self.worker_decode_step, self.worker_decode_per_sequence,
-            self.worker_prefix_queries, self.worker_prefix_hits, self.worker_prefix_blocks,
+            self.worker_prefix_queries, self.worker_prefix_hits, self.worker_prefix_found,
+            self.worker_prefix_told, self.worker_prefix_missed, self.worker_prefix_blocks,
             self.worker_kv_events, self.worker_kv_lost, self.worker_kv_lag, self.worker_kv_blocks,
             self.worker_kv_complete,
         )  # fmt: skip

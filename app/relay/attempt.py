@@ -15,7 +15,7 @@ from typing import Any
 
 from app.api.errors import ClientStalled, UpstreamInvalidResponse, UpstreamTimeout
 from app.api.protocol import ParsedRequest, Upload
-from app.api.sse import fingerprint_member, usage_counts
+from app.api.sse import fingerprint_member, usage_cached, usage_counts
 from app.fleet.lease import Lease
 from app.fleet.upstream import UpstreamSlots, WorkerRequest
 from app.fleet.wire import WireClient, WireError
@@ -33,6 +33,8 @@ class Told:
 
     tokens: tuple[int, int] | None = None
     """The prompt and completion tokens the worker's usage told (None: it told none)."""
+    cached: int | None = None
+    """Of the prompt tokens, those the worker's usage said it found in its prefix cache."""
     erred: bool = False
     """The worker sent an error event in its stream: the request is the worker's failure."""
     status: int | None = None
@@ -126,7 +128,7 @@ class Attempts:
         finally:
             if stream is not None:
                 timer.add_overhead(stream.overhead_s)
-                told.tokens, told.erred = stream.tokens, stream.erred
+                told.tokens, told.cached, told.erred = stream.tokens, stream.cached, stream.erred
 
     async def unary(self, answer: Answer, lease: Lease, told: Told) -> None:
         """Read the worker's whole answer, then hand it to the client in one write."""
@@ -157,7 +159,7 @@ class Attempts:
                     f"Worker {worker.label} sent a response that is not JSON."
                 ) from exc
         self._feedback.first_output(lease, received)
-        told.tokens = usage_counts(payload)
+        told.tokens, told.cached = usage_counts(payload), usage_cached(payload)
         if self._request.endpoint.chunks:
             worker.learn_fingerprint(fingerprint_member(payload))
         told.status = status

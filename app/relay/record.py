@@ -45,6 +45,8 @@ class RequestEnd:
     """Arrival to the end."""
     tokens: tuple[int, int] | None = None
     """``(prompt, completion)`` from the worker's usage."""
+    cached_tokens: int | None = None
+    """Of the prompt, the tokens the worker found in its prefix cache (None: not told)."""
     request: ParsedRequest | None = None
     lease: Lease | None = None
     """The last attempt's lease (released already)."""
@@ -104,6 +106,16 @@ class Recorder:
             )
         if result is not None:
             self._goodput.record(end.model, tier, result, completion)
+        lease, cached = end.lease, end.cached_tokens
+        if lease is not None and cached is not None and tokens is not None:
+            # The worker's own count for this gateway's requests, beside what routing predicted
+            # for each: a prediction over what was found gave a cache credit in vain.
+            worker = lease.worker.label
+            metrics.worker_prefix_found.labels(worker).inc(cached)
+            metrics.worker_prefix_told.labels(worker).inc(tokens[0])
+            missed = lease.choice.cached_tokens - cached
+            if missed > 0:
+                metrics.worker_prefix_missed.labels(worker).inc(missed)
         if learns(end):
             metrics.observe(end.model, tier, end.timing, stream)
             if end.lease is not None:
@@ -126,7 +138,7 @@ class Recorder:
         if self._settings.access_log:
             log.info(
                 _LINE, request_id, endpoint, "-", "-", "-", status, outcome, "-", "-", "-",
-                _ms(seconds), 0, None, None,
+                _ms(seconds), 0, None, None, "-", "-",
             )  # fmt: skip
 
     @staticmethod
@@ -138,12 +150,15 @@ class Recorder:
             end.lease.worker.label if end.lease else "-", end.status, end.outcome,
             _ms(timing.queue_s), _ms(timing.ttft_s), _ms(timing.tpot_s), _ms(timing.e2e_s),
             timing.output_events, *(tokens if tokens is not None else (None, None)),
+            "-" if end.cached_tokens is None else end.cached_tokens,
+            "-" if end.lease is None else int(end.lease.choice.cached_tokens),
         )  # fmt: skip
 
 
 _LINE = (
     "%s %s model=%s tier=%s worker=%s status=%d outcome=%s queue_ms=%s ttft_ms=%s tpot_ms=%s "
-    "e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s"
+    "e2e_ms=%s events=%d prompt_tokens=%s completion_tokens=%s cached_tokens=%s "
+    "predicted_cached=%s"
 )
 
 

@@ -388,6 +388,7 @@ class Relay:
             timing=summary,
             waited_s=timer.clock() - timer.arrival,
             tokens=tokens,
+            cached_tokens=told.cached,
             request=self._request,
             lease=self._lease,
         )

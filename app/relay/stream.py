@@ -18,11 +18,13 @@ from app.api.sse import (
     FINISH,
     EventKind,
     EventSplitter,
+    cached_tokens,
     classify,
     classify_response,
     event_fingerprint,
     event_json,
     parse_usage,
+    usage_cached,
     usage_counts,
     with_fingerprint,
 )
@@ -67,6 +69,7 @@ class StreamPump:
         "_total_at",
         "_waiting",
         "_worker",
+        "cached",
         "done",
         "erred",
         "held",
@@ -102,6 +105,8 @@ class StreamPump:
         """The worker sent an error event: the request is the worker's failure."""
         self.tokens: tuple[int, int] | None = None
         """The prompt and completion tokens the worker's usage told (None: it told none)."""
+        self.cached: int | None = None
+        """The prompt tokens the worker found in its prefix cache, if its usage told them."""
         self.last_received: float | None = None
         """When the latest output event came from the worker."""
         self._last_read = 0.0
@@ -159,6 +164,7 @@ class StreamPump:
                 seen += 1
             elif kind is EventKind.USAGE:
                 self._count(parse_usage(event))
+                self._cached(cached_tokens(event))
                 if restore:
                     learnt = event_fingerprint(event)
                     worker.learn_fingerprint(learnt)
@@ -170,7 +176,9 @@ class StreamPump:
             elif kind is EventKind.DONE:
                 self.done = True
                 if self.responses:
-                    self._count(usage_counts(event_json(event)))
+                    payload = event_json(event)
+                    self._count(usage_counts(payload))
+                    self._cached(usage_cached(payload))
             elif kind is EventKind.ERROR:
                 self.erred = True
                 self.done = self.done or self.responses  # response.failed ends its stream
@@ -211,6 +219,10 @@ class StreamPump:
     def _count(self, tokens: tuple[int, int] | None) -> None:
         if tokens is not None:
             self.tokens = tokens
+
+    def _cached(self, tokens: int | None) -> None:
+        if tokens is not None:
+            self.cached = tokens
 
 
 def _restored(held: list[bytes], member: bytes) -> list[bytes]:

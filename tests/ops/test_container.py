@@ -136,6 +136,8 @@ def test_compose_default_profile_runs_the_cpu_worker() -> None:
     assert "--enable-mfu-metrics" in command
     # Its waiting requests start in the order of the tier priority the gateway sends.
     assert command[command.index("--scheduling-policy") + 1] == "priority"
+    # Each usage tells the prompt tokens found in the prefix cache, counted per worker.
+    assert "--enable-prompt-tokens-details" in command
     hardware = json.loads(services["gateway"]["environment"]["GATEWAY_HARDWARE"])
     for key in ("memory_bandwidth_gbs", "peak_tflops"):
         assert hardware[key] == TINY_LLAMA_HARDWARE[key]
@@ -158,6 +160,7 @@ def test_compose_gpu_profile_adds_a_gpu_worker() -> None:
     assert "/" in command[command.index("--model") + 1], "a real Hugging Face model id"
     assert "--enable-mfu-metrics" in command
     assert command[command.index("--scheduling-policy") + 1] == "priority"
+    assert "--enable-prompt-tokens-details" in command
     assert gpu["profiles"] == ["gpu"]
 
 

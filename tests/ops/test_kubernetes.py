@@ -509,6 +509,12 @@ def test_workers_start_waiting_requests_by_the_tier_priority_sent(overlay: str) 
     assert args[args.index("--scheduling-policy") + 1] == "priority"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_tell_the_cached_prompt_tokens_in_each_usage(overlay: str) -> None:
+    args = _container(_one(overlay, "Deployment", "vllm-worker"))["args"]
+    assert "--enable-prompt-tokens-details" in args
+
+
 def test_cpu_demo_gateway_has_the_tiny_models_nominal_peaks() -> None:
     config = _one("cpu-demo", "ConfigMap", "goodput-gateway")["data"]
     hardware = json.loads(config["GATEWAY_HARDWARE"])
