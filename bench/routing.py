@@ -13,8 +13,9 @@ out), Poisson arrivals at ``--load`` (0.7) times the capacity, on workers whose 
 the working set once but not twice (``--kv-blocks``, see ``PREFIX_KV_BLOCKS``). The capacity is
 measured first (``--capacity`` takes a figure instead): ``--concurrency`` clients send the
 workload's requests back to back through a ``round_robin`` gateway (both workers busy) for
-``--calibrate`` seconds, and the completed requests per second over the second half of that
-run are the capacity. Policies:
+``--calibrate`` seconds, fresh users in groups of ``--users`` with their turns in rounds (the
+measured run's mix of turns), and the completed requests per second over the second half of
+that run are the capacity. Policies:
 ``round_robin``, ``predicted_ttft``, ``affinity`` (``predicted_ttft`` with each user's
 ``x-session-id``), ``prefix_aware`` (no session id, on the gateway's own guess of what each
 worker caches) and ``prefix_kv`` (``prefix_aware`` on the workers' KV cache events, which
@@ -206,6 +207,8 @@ _VLLM_CACHE = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 _PREDICTED = (
     "gateway_worker_predicted_prefix_hit_tokens_total",
     "gateway_worker_prefix_query_tokens_total",
+    # Counted as each request is recorded, from the worker's usage (its cached tokens).
+    "gateway_worker_prefix_missed_tokens_total",
 )
 
 
@@ -248,8 +251,10 @@ async def _calibrate(args: argparse.Namespace, workers: Sequence[str]) -> dict[s
         await _warm_gateway(gw, args.seed)
         log(f"capacity: {args.concurrency} clients back to back for {args.calibrate:.0f} s")
         start = time.perf_counter()
+        # In groups of the measured run's users: every user's first turn first would make
+        # the calibration's prompts shorter and more cached than the measured run's.
         outcomes = await run_closed(
-            gw, users, args.turns, args.concurrency, args.max_tokens, args.calibrate
+            gw, users, args.turns, args.concurrency, args.max_tokens, args.calibrate, args.users
         )
     half = start + args.calibrate / 2
     late = [o for o in outcomes if o.ok and o.e2e is not None and o.sent + o.e2e >= half]
@@ -295,6 +300,7 @@ async def _run_prefix_policy(
         mapped_before = await _summed(gws, _tokenizations)
         log(f"{policy}: {len(plan)} requests at {rate:.2f}/s over {len(gws)} gateway(s)")
         outcomes, elapsed = await run_open(gws, users, plan, args.max_tokens, sessions)
+        await asyncio.sleep(0.5)  # the last answers recorded (the missed credit)
         after = await _cache_counters(workers)
         routed_after = await _summed(gws, _routed)
         predicted = await _summed(gws, lambda gw: _metric_sums(gw, _PREDICTED))
@@ -323,6 +329,12 @@ async def _run_prefix_policy(
             if predicted[_PREDICTED[1]]
             else math.nan
         ),
+        # Of the tokens predicted cached, those the worker's usage said it did not find.
+        "missed_credit": (
+            predicted[_PREDICTED[2]] / predicted[_PREDICTED[0]]
+            if predicted[_PREDICTED[0]]
+            else math.nan
+        ),
         "throughput_rps": len(ok) / elapsed,
         "output_tokens_per_s": sum(o.completion_tokens for o in ok) / elapsed,
         "max_share": max(routed.values()) / max(1.0, sum(routed.values())),
@@ -349,16 +361,18 @@ async def _summed(
 def _prefix_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| policy | requests ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | worker prefix-cache "
-        "hit rate | router's predicted hit rate | throughput req/s | busier worker's share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "hit rate | router's predicted hit rate | of it not found | throughput req/s "
+        "| busier worker's share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        predicted = r["predicted_hit_rate"]
+        predicted, missed = r["predicted_hit_rate"], r.get("missed_credit", math.nan)
         lines.append(
             f"| {r['policy']} | {r['ok']}/{r['requests']} | {r['ttft_ms_p50']:.0f} "
             f"| {r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} "
             f"| {100 * r['worker_hit_rate']:.1f}% "
             f"| {'-' if math.isnan(predicted) else f'{100 * predicted:.1f}%'} "
+            f"| {'-' if math.isnan(missed) else f'{100 * missed:.1f}%'} "
             f"| {r['throughput_rps']:.2f} | {100 * r['max_share']:.0f}% |"
         )
     return "\n".join(lines)
