@@ -196,22 +196,12 @@ async def run_closed(
     concurrency: int,
     max_tokens: int,
     duration: float,
-    group: int | None = None,
 ) -> list[Outcome]:
     """``concurrency`` clients sending the next (user, turn) as each is done, ``duration`` s.
 
-    The most the fleet completes: used to measure capacity. The users go in groups of
-    ``group`` (default: all at once), each group's turns in rounds as :func:`schedule` sends
-    them, so that the requests' mix of turns (of prompt lengths and cached shares) is a
-    measured run's of ``group`` users.
+    The most the fleet completes: used to measure capacity.
     """
-    size = group or len(users)
-    order = [
-        (u, t)
-        for start in range(0, len(users), size)
-        for t in range(turns)
-        for u in range(start, min(start + size, len(users)))
-    ]
+    order = [(u, t) for t in range(turns) for u in range(len(users))]
     busy: set[int] = set()
     for user in users:
         user.history = []

@@ -104,11 +104,17 @@ async def reset_prefix_caches(workers: Sequence[str]) -> None:
     """Empty the workers' prefix caches (vLLM's development endpoint); they must be idle.
 
     Runs that replay the same prompts start even: otherwise the second finds the first's
-    prompts cached and prefills them faster.
+    prompts cached and prefills them faster. Each worker then answers a one-token prompt: vLLM
+    publishes its KV cache events (the clearing among them) from an engine step, so an idle
+    worker's followers would go on seeing the emptied blocks until its next request.
     """
     async with httpx.AsyncClient(timeout=30) as client:
         for worker in workers:
             response = await client.post(f"{worker}/reset_prefix_cache")
+            response.raise_for_status()
+            models = (await client.get(f"{worker}/v1/models")).json()["data"]
+            body = {"model": models[0]["id"], "prompt": "x", "max_tokens": 1}
+            response = await client.post(f"{worker}/v1/completions", json=body)
             response.raise_for_status()
 
 
