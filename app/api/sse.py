@@ -172,12 +172,8 @@ def cached_tokens(event: bytes) -> int | None:
 
 def usage_cached(payload: Any) -> int | None:
     """:func:`cached_tokens` of a decoded response, chunk or event (None: not told)."""
-    if not isinstance(payload, dict):
-        return None
-    usage = payload.get("usage")
-    if usage is None and isinstance(payload.get("response"), dict):
-        usage = payload["response"].get("usage")
-    if not isinstance(usage, dict):
+    usage = _usage(payload)
+    if usage is None:
         return None
     details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -192,18 +188,24 @@ def usage_counts(payload: Any) -> tuple[int, int] | None:
     ``response``), and a prefill-only answer's ``prompt_tokens`` alone (rerank sends no
     ``completion_tokens``: none were generated).
     """
-    if not isinstance(payload, dict):
-        return None
-    usage = payload.get("usage")
-    if usage is None and isinstance(payload.get("response"), dict):
-        usage = payload["response"].get("usage")
-    if not isinstance(usage, dict):
+    usage = _usage(payload)
+    if usage is None:
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
     return prompt, completion
+
+
+def _usage(payload: Any) -> dict[str, Any] | None:
+    """A decoded answer's ``usage``, or the Responses API's inside its ``response``."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if usage is None and isinstance(payload.get("response"), dict):
+        usage = payload["response"].get("usage")
+    return usage if isinstance(usage, dict) else None
 
 
 class EventSplitter:
