@@ -91,13 +91,11 @@ class Prober:
             raise httpx.RemoteProtocolError(
                 f"an answer over {_MAX_BODY} bytes", request=_request(spec, path)
             )
-        if 200 <= answer.status < 300:
-            return httpx.Response(answer.status, headers=answer.headers, content=body)
-        response = httpx.Response(
-            answer.status, headers=answer.headers, content=body, request=_request(spec, path)
-        )
-        response.raise_for_status()
-        return response  # not reached: a status other than 2xx raises
+        if not 200 <= answer.status < 300:  # raise_for_status raises for each of these
+            httpx.Response(
+                answer.status, headers=answer.headers, content=body, request=_request(spec, path)
+            ).raise_for_status()
+        return httpx.Response(answer.status, headers=answer.headers, content=body)
 
     async def each(
         self, what: str, workers: Iterable[_W], probe: Callable[[_W], Awaitable[None]]
