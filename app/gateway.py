@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from app.http.trace import (
 )
 from app.internals import assumptions_held
 from app.observe.goodput import GoodputTracker
+from app.observe.logs import BatchedLines
 from app.observe.looplag import LoopLagProbe
 from app.observe.metrics import GatewayMetrics
 from app.observe.timing import Clock, default_clock
@@ -57,6 +59,9 @@ from app.shutdown import Shutdown
 from app.state import STATE_KEY, GatewayState
 
 log = logging.getLogger(__name__)
+
+# How long the event loop's log lines below warnings wait to be written together.
+_LOG_BATCH_S = 0.1
 
 CORS_EXPOSED_HEADERS = [
     "x-request-id", "retry-after", "retry-after-ms", "x-gateway-tier", "x-gateway-queue-ms",
@@ -175,6 +180,7 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
         metrics.library_assumption.labels(name).set(0 if missing else 1)
     lag.start()
     exporter: asyncio.Task[None] | None = None
+    unbatch: Callable[[], None] = _nothing
     try:
         await pool.start(first_wait=settings.connect_timeout_s)
         if shared is not None:
@@ -204,8 +210,10 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
             "local" if shared is None else "shared through Redis"
             if shared.up else "shared through Redis (not answering yet)",
         )  # fmt: skip
+        unbatch = _batch_log_lines(asyncio.get_running_loop())
         yield _state(parts, drain)
     finally:
+        unbatch()
         lag.stop()
         if exporter is not None:
             exporter.cancel()
@@ -314,6 +322,25 @@ class GatewayApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
+def _batch_log_lines(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Batch the lines of the root logger's :class:`BatchedLines`; returns what ends it."""
+    undos = [
+        handler.batch(loop, _LOG_BATCH_S)
+        for handler in logging.getLogger().handlers
+        if isinstance(handler, BatchedLines)
+    ]
+
+    def undo() -> None:
+        for each in undos:
+            each()
+
+    return undo
+
+
+def _nothing() -> None:
+    pass
+
+
 async def _every(interval_s: float, *jobs: Callable[[], None]) -> None:
     """Run ``jobs`` every ``interval_s`` until cancelled."""
     while True:
@@ -346,11 +373,21 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 
 def configure_logging(settings: Settings, processes: bool = False) -> None:
-    """Log lines to stderr; with several processes each line says which one (its pid)."""
+    """Log lines to stderr; with several processes each line says which one (its pid).
+
+    While a gateway's lifespan runs, the lines its event loop logs below warnings are written
+    in batches (:class:`app.observe.logs.BatchedLines`).
+    """
     pid = " [%(process)d]" if processes else ""
+    # What the format does not print is not looked up for every record (the process id is a
+    # system call on each).
+    logging.logThreads = False
+    logging.logMultiprocessing = False
+    logging.logProcesses = processes
     logging.basicConfig(
         level=settings.log_level.upper(),
         format=f"%(asctime)s %(levelname)s{pid} %(name)s: %(message)s",
+        handlers=[BatchedLines(sys.stderr)],
         force=True,
     )
     # httpx logs every request at INFO: several lines a second per worker from the load scrapes

@@ -495,7 +495,11 @@ class Settings(BaseSettings):
         description="How often each process publishes its requests in flight per worker, its "
         "arrivals and queued requests per tier to Redis, and reads everybody else's.",
     )
-    access_log: bool = Field(default=True, description="One log line per finished request.")
+    access_log: bool = Field(
+        default=True,
+        description="One log line per finished request (to stderr, written in batches within "
+        "0.1 s; warnings and errors at once).",
+    )
     log_level: str = Field(default="info", description="Python logging level.")
 
     @field_validator("workers", mode="before")
