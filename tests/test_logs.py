@@ -6,7 +6,7 @@ import asyncio
 import io
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -42,6 +42,16 @@ def logger() -> Iterator[tuple[logging.Logger, BatchedLines, Writes]]:
     log.removeHandler(handler)
 
 
+@pytest.fixture
+async def batching(
+    logger: tuple[logging.Logger, BatchedLines, Writes],
+) -> AsyncIterator[tuple[logging.Logger, BatchedLines, Writes]]:
+    """The logger with batching on, and an interval no test waits for."""
+    undo = logger[1].batch(asyncio.get_running_loop(), 60.0)
+    yield logger
+    undo()
+
+
 def test_without_batching_each_line_is_written_as_it_comes(
     logger: tuple[logging.Logger, BatchedLines, Writes],
 ) -> None:
@@ -68,34 +78,27 @@ async def test_the_loops_lines_wait_for_the_interval_then_go_in_one_write(
 
 
 async def test_a_warning_goes_at_once_after_the_lines_before_it(
-    logger: tuple[logging.Logger, BatchedLines, Writes],
+    batching: tuple[logging.Logger, BatchedLines, Writes],
 ) -> None:
-    log, handler, stream = logger
-    undo = handler.batch(asyncio.get_running_loop(), 60.0)
-    try:
-        log.info("before")
-        log.warning("trouble")
-        assert stream.getvalue() == "INFO before\nWARNING trouble\n"
-        log.info("after")
-        assert stream.getvalue() == "INFO before\nWARNING trouble\n"
-    finally:
-        undo()
+    log, handler, stream = batching
+    log.info("before")
+    log.warning("trouble")
+    assert stream.getvalue() == "INFO before\nWARNING trouble\n"
+    log.info("after")
+    assert stream.getvalue() == "INFO before\nWARNING trouble\n"
+    handler.flush()
     assert stream.getvalue().endswith("INFO after\n")
 
 
 async def test_another_threads_line_goes_at_once_in_order(
-    logger: tuple[logging.Logger, BatchedLines, Writes],
+    batching: tuple[logging.Logger, BatchedLines, Writes],
 ) -> None:
-    log, handler, stream = logger
-    undo = handler.batch(asyncio.get_running_loop(), 60.0)
-    try:
-        log.info("loop")
-        thread = threading.Thread(target=log.info, args=("helper",))
-        thread.start()
-        thread.join()
-        assert stream.getvalue() == "INFO loop\nINFO helper\n"
-    finally:
-        undo()
+    log, _, stream = batching
+    log.info("loop")
+    thread = threading.Thread(target=log.info, args=("helper",))
+    thread.start()
+    thread.join()
+    assert stream.getvalue() == "INFO loop\nINFO helper\n"
 
 
 async def test_undo_writes_what_was_kept_and_ends_the_batching(
@@ -131,18 +134,33 @@ async def test_writes_hold_whole_lines_within_pipe_buf(
 
 
 async def test_a_burst_is_written_before_it_grows_past_its_bound(
-    logger: tuple[logging.Logger, BatchedLines, Writes],
+    batching: tuple[logging.Logger, BatchedLines, Writes],
 ) -> None:
-    log, handler, stream = logger
-    undo = handler.batch(asyncio.get_running_loop(), 60.0)
-    try:
-        for n in range(2_000):
-            log.info("burst %d %s", n, "z" * 60)
-        kept = len(stream.getvalue())
-        assert kept > 0
-        assert 2_000 * 70 - kept < 16 * PIPE_BUF + 100
-    finally:
-        undo()
+    log, _, stream = batching
+    for n in range(2_000):
+        log.info("burst %d %s", n, "z" * 60)
+    written = len(stream.getvalue())
+    assert written > 0
+    assert 2_000 * 70 - written < 16 * PIPE_BUF + 100
+
+
+async def test_a_stream_that_fails_is_reported_not_raised(
+    batching: tuple[logging.Logger, BatchedLines, Writes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log, handler, stream = batching
+    reported: list[logging.LogRecord] = []
+    monkeypatch.setattr(handler, "handleError", reported.append)
+
+    def broken(text: str) -> int:
+        raise OSError("the pipe's reader went away")
+
+    monkeypatch.setattr(stream, "write", broken)
+    log.info("kept")
+    log.warning("written now")  # raises inside the handler only
+    assert len(reported) == 1
+    handler.flush()  # nothing kept any more
+    assert len(reported) == 1
 
 
 def test_configure_logging_batches_through_the_root_logger() -> None:
