@@ -52,6 +52,14 @@ async def batching(
     undo()
 
 
+def test_flush_flushes_the_stream_even_with_nothing_kept() -> None:
+    stream = Writes()
+    flushes: list[None] = []
+    stream.flush = lambda: flushes.append(None)  # type: ignore[method-assign]
+    BatchedLines(stream).flush()
+    assert flushes == [None]
+
+
 def test_without_batching_each_line_is_written_as_it_comes(
     logger: tuple[logging.Logger, BatchedLines, Writes],
 ) -> None:

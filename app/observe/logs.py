@@ -83,10 +83,12 @@ class BatchedLines(logging.StreamHandler[TextIO]):
             self._pending = loop.call_later(self._interval, self._due)
 
     def flush(self) -> None:
-        """Write what is kept, then flush the stream."""
+        """Write what is kept, then flush the stream (as :class:`logging.StreamHandler` does)."""
         self.acquire()
         try:
             self._write()
+            if self.stream and hasattr(self.stream, "flush"):
+                self.stream.flush()
         finally:
             self.release()
 
