@@ -180,7 +180,6 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
         metrics.library_assumption.labels(name).set(0 if missing else 1)
     lag.start()
     exporter: asyncio.Task[None] | None = None
-    unbatch: Callable[[], None] = _nothing
     try:
         await pool.start(first_wait=settings.connect_timeout_s)
         if shared is not None:
@@ -211,9 +210,11 @@ async def _running(parts: _Parts, drain: Shutdown) -> AsyncIterator[dict[str, ob
             if shared.up else "shared through Redis (not answering yet)",
         )  # fmt: skip
         unbatch = _batch_log_lines(asyncio.get_running_loop())
-        yield _state(parts, drain)
+        try:
+            yield _state(parts, drain)
+        finally:
+            unbatch()
     finally:
-        unbatch()
         lag.stop()
         if exporter is not None:
             exporter.cancel()
@@ -335,10 +336,6 @@ def _batch_log_lines(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
             each()
 
     return undo
-
-
-def _nothing() -> None:
-    pass
 
 
 async def _every(interval_s: float, *jobs: Callable[[], None]) -> None:
